@@ -1,0 +1,113 @@
+"""`prepare()`: validate, make the ranks agree, attach the reducer."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from commsched.backends.allreduce import AllReduceBackend
+from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
+from commsched.module import CommschedModule
+from commsched.optim import CommschedOptimizer
+from commsched.reducer import GradientReducer
+from commsched.strategy import Strategy
+
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+
+_MIXED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def prepare(
+    model: ModelT,
+    optimizer: OptimizerT | None,
+    strategy: Strategy | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[ModelT, OptimizerT | None]:
+    """Make ``model`` and ``optimizer`` train data-parallel over ``process_group``.
+
+    Collective over the group: every rank must call it with the same model.
+    Rank 0's parameters and buffers are copied to every rank, gradient buckets
+    are built, and hooks are attached. The same objects come back, with
+    ``model.no_sync()`` and ``optimizer.synchronize()`` added; use them exactly
+    as before.
+    """
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise ValueError(f"strategy must be a commsched.Strategy, got {type(strategy).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, CommschedModule):
+        raise RuntimeError(
+            "commsched.prepare() was already called on this model; call it once per model "
+            "and keep using the model it returned"
+        )
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
+    group = _resolve_process_group(process_group)
+
+    descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
+    descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
+    verify_same_across_ranks(descriptions, group)
+    broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
+
+    reducer = GradientReducer(model, strategy, AllReduceBackend(group), group)
+    _mix_in(model, CommschedModule)
+    model._commsched_reducer = reducer
+    if optimizer is not None:
+        _mix_in(optimizer, CommschedOptimizer)
+        optimizer._commsched_reducer = reducer
+    return model, optimizer
+
+
+def _resolve_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if process_group is not None:
+        return process_group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "commsched.prepare() needs an initialised torch.distributed process group. "
+            "Launch with `torchrun --nproc-per-node N train.py` and call "
+            "`torch.distributed.init_process_group()` first (backend 'gloo' on CPU, 'nccl' "
+            "on GPU); for a single process, init_process_group('gloo', "
+            "init_method='tcp://127.0.0.1:29500', rank=0, world_size=1) works too."
+        )
+    return dist.group.WORLD
+
+
+def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, CommschedOptimizer):
+        raise RuntimeError(
+            "this optimizer was already passed to commsched.prepare(); build one optimizer per "
+            "prepared model"
+        )
+    owned = {id(p) for p in model.parameters()}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for position, param in enumerate(group["params"]):
+            if id(param) not in owned:
+                raise ValueError(
+                    f"optimizer param_groups[{group_index}]['params'][{position}] (shape "
+                    f"{tuple(param.shape)}) is not a parameter of the model being prepared; "
+                    "build the optimizer from this model's parameters (e.g. "
+                    "model.parameters()), and prepare each model with its own optimizer"
+                )
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+        raise RuntimeError(
+            "an LR scheduler was created for this optimizer before commsched.prepare(); "
+            "create LR schedulers after prepare() so that they wrap the prepared optimizer"
+        )
+
+
+def _mix_in(obj: object, mixin: type) -> None:
+    """Give ``obj`` the behaviour of ``mixin`` while keeping its class's own."""
+    cls = type(obj)
+    mixed = _MIXED_CLASSES.get((mixin, cls))
+    if mixed is None:
+        mixed = type(f"Commsched{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        _MIXED_CLASSES[(mixin, cls)] = mixed
+    obj.__class__ = mixed

@@ -1,0 +1,43 @@
+"""All-reduce backend: one asynchronous torch.distributed all-reduce per bucket."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from commsched.backends.base import Backend, CompletedHandle, Handle, wait_or_raise
+from commsched.buckets import Bucket
+
+
+class _WorkHandle:
+    """A torch.distributed ``Work`` whose failure or timeout becomes a clear error."""
+
+    __slots__ = ("_work", "_bucket")
+
+    def __init__(self, work: dist.Work, bucket: Bucket):
+        self._work = work
+        self._bucket = bucket  # keeps the buffer alive while the work runs
+
+    def wait(self, timeout_s: float) -> None:
+        bucket = self._bucket
+        wait_or_raise(
+            self._work, timeout_s,
+            f"the all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)",
+        )
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class AllReduceBackend(Backend):
+    """Sums each bucket over the process group with ``all_reduce(async_op=True)``."""
+
+    def __init__(self, process_group: dist.ProcessGroup):
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+
+    def launch(self, bucket: Bucket) -> Handle:
+        if self.world_size == 1:
+            return CompletedHandle()
+        work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        return _WorkHandle(work, bucket)

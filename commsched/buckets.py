@@ -1,0 +1,113 @@
+"""Gradient buckets: which parameters travel together, and their flat buffers.
+
+Each bucket owns one contiguous buffer of a single dtype and device, and every
+parameter's ``.grad`` is a view into it, so autograd accumulates straight into
+the memory that goes on the wire: no copy before or after a reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[torch.Tensor], bucket_size_limits: Sequence[int]
+) -> list[list[int]]:
+    """Group tensor indices into buckets of at most about ``bucket_size_limits`` bytes.
+
+    Tensors are taken in order and accumulated per (dtype, device). A bucket is
+    closed as soon as its size reaches the current limit of its (dtype, device);
+    each closed bucket advances that key to the next limit, and the last limit
+    repeats. Leftover buckets are closed at the end. Buckets come back sorted by
+    the smallest index they hold, so if ``tensors`` is in the order gradients are
+    produced, buckets are in the order they become ready.
+    """
+    limits = [int(limit) for limit in bucket_size_limits]
+    if not limits:
+        raise ValueError("bucket_size_limits must hold at least one limit, got []")
+    if any(limit <= 0 for limit in limits):
+        raise ValueError(f"every bucket size limit must be > 0 bytes, got {limits}")
+
+    result: list[list[int]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    limit_position: dict[tuple[torch.dtype, torch.device], int] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor.is_sparse:
+            raise ValueError(f"tensor {index} is sparse; only dense tensors can be bucketed")
+        key = (tensor.dtype, tensor.device)
+        indices, size_bytes = open_buckets.get(key, ([], 0))
+        indices.append(index)
+        size_bytes += tensor.numel() * tensor.element_size()
+        position = limit_position.setdefault(key, 0)
+        if size_bytes >= limits[position]:
+            result.append(indices)
+            open_buckets[key] = ([], 0)
+            limit_position[key] = min(position + 1, len(limits) - 1)
+        else:
+            open_buckets[key] = (indices, size_bytes)
+
+    result.extend(indices for indices, _ in open_buckets.values() if indices)
+    result.sort(key=min)
+    return result
+
+
+class Bucket:
+    """One flat gradient buffer and the parameters whose gradients are views into it.
+
+    ``tail_numel`` extra elements after the gradients belong to the bucket's owner
+    (the reducer keeps per-parameter flags there so they travel in the same
+    collective).
+    """
+
+    def __init__(self, index: int, params: Sequence[torch.nn.Parameter], tail_numel: int = 0):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        dtype, device = params[0].dtype, params[0].device
+        for param in params:
+            if param.dtype != dtype or param.device != device:
+                raise ValueError(
+                    "parameters of one bucket must share dtype and device, got "
+                    f"{dtype}/{device} and {param.dtype}/{param.device}"
+                )
+        self.index = index
+        self.params = list(params)
+        self.offsets: list[int] = []
+        numel = 0
+        for param in self.params:
+            self.offsets.append(numel)
+            numel += param.numel()
+        self.grad_numel = numel
+        self.flat = torch.zeros(numel + tail_numel, dtype=dtype, device=device)
+        self.grad_views = [
+            _view_like(self.flat, offset, param) for offset, param in zip(self.offsets, self.params)
+        ]
+        self.tail = self.flat[numel:]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(index={self.index}, params={len(self.params)}, "
+            f"dtype={self.dtype}, bytes={self.nbytes})"
+        )
+
+
+def _view_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of ``flat`` starting at ``offset`` with ``param``'s shape and strides.
+
+    Matching the strides (e.g. channels_last weights) keeps autograd's layout
+    contract, so it accumulates in place instead of replacing the gradient.
+    """
+    segment = flat[offset : offset + param.numel()]
+    if param.is_contiguous():
+        return segment.view(param.shape)
+    dense_strides = torch.empty_like(param, device="meta").stride()
+    return segment.as_strided(param.shape, dense_strides)

@@ -1,0 +1,44 @@
+"""What a prepared model gains: ``no_sync()`` and a ``state_dict()`` that waits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from commsched.reducer import GradientReducer
+
+
+class CommschedModule:
+    """Mixed into the class of a prepared model (the model object itself is kept).
+
+    The model stays the user's own module: same attributes, same ``state_dict``
+    keys, no ``.module`` indirection.
+    """
+
+    _commsched_reducer: GradientReducer
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside reduces them all.
+
+        As torch DDP's ``no_sync``: run the forward and backward passes of the
+        micro-batches inside the context, and the last one outside it.
+        """
+        with self._commsched_reducer.no_sync():
+            yield
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._commsched_reducer.synchronize()
+        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
+
+    @property
+    def commsched_buckets(self):
+        """The gradient buckets, in launch order (for inspection and logs)."""
+        return list(self._commsched_reducer.buckets)
+
+
+def is_prepared(module: torch.nn.Module) -> bool:
+    return isinstance(module, CommschedModule)

@@ -1,0 +1,159 @@
+"""Run a function on N real processes joined by a gloo process group on 127.0.0.1.
+
+Used by commsched's own tests, and usable by anyone testing code built on it:
+
+    results = run_ranks(check_something, world_size=3, timeout_s=120)
+
+``fn(rank, world_size, *args)`` runs in each spawned process after
+``init_process_group("gloo")``; its return values come back in rank order. A
+rank that raises, dies or overruns makes `run_ranks` raise `RanksFailed` with
+every rank's traceback, instead of hanging the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GRACE_AFTER_FAILURE_S = 15.0
+"""How long the other ranks get to report after one rank failed (they usually fail
+too, quickly, once their peer's sockets close)."""
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks raised, died or did not finish in time."""
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    collective_timeout_s: float = 60.0,
+    threads_per_rank: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Spawn ``world_size`` ranks running ``fn``; return their results in rank order.
+
+    ``fn`` must be importable (defined at module level). ``collective_timeout_s``
+    is the process group's timeout, so a collective that a failed peer never
+    joins errors out instead of waiting for torch's default 30 minutes.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    context = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    results: queue.Queue = context.Queue()
+    child_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {})}
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, store.port, args, results, collective_timeout_s,
+                  threads_per_rank, child_env),
+            name=f"commsched-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        outcomes = _collect(processes, results, timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+        del store
+
+    failures = {rank: text for rank, (ok, text) in outcomes.items() if not ok}
+    if failures:
+        report = "\n".join(f"----- rank {rank} -----\n{text}" for rank, text in sorted(failures.items()))
+        raise RanksFailed(f"{len(failures)} of {world_size} ranks failed:\n{report}")
+    return [outcomes[rank][1] for rank in range(world_size)]
+
+
+def _collect(processes: list, results: queue.Queue, timeout_s: float) -> dict[int, tuple[bool, Any]]:
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcomes) < len(processes):
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=min(0.5, deadline - now))
+            outcomes[rank] = (ok, payload)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+            continue
+        except queue.Empty:
+            pass
+        for rank, process in enumerate(processes):
+            if rank not in outcomes and not process.is_alive() and process.exitcode is not None:
+                # Give its last message a moment to arrive before declaring it dead.
+                try:
+                    rank_, ok, payload = results.get(timeout=1.0)
+                    outcomes[rank_] = (ok, payload)
+                except queue.Empty:
+                    outcomes[rank] = (False, f"process exited with code {process.exitcode} without reporting")
+                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+                break
+    for rank in range(len(processes)):
+        if rank not in outcomes:
+            outcomes[rank] = (False, f"did not finish within the time limit ({timeout_s:g} s or "
+                                     f"{GRACE_AFTER_FAILURE_S:g} s after another rank failed); killed")
+    return outcomes
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    results: queue.Queue,
+    collective_timeout_s: float,
+    threads_per_rank: int,
+    env: Mapping[str, str],
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(threads_per_rank)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_subtests(cases: Mapping[str, Callable[[], None]]) -> None:
+    """Run every case, then raise one error naming each case that failed.
+
+    Inside a rank, this amortises the seconds a spawned process costs over many
+    cases, as FSDP's ``run_subtests`` does.
+    """
+    failed: list[str] = []
+    for name, case in cases.items():
+        try:
+            case()
+        except Exception:  # noqa: BLE001 - collect and report them all
+            failed.append(f"[{name}]\n{traceback.format_exc()}")
+    if failed:
+        raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed))

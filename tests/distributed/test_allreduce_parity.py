@@ -1,0 +1,221 @@
+"""commsched gives single-process training's parameters, and torch DDP's.
+
+Each test spawns one group of real processes and runs a whole grid of cases
+inside it (spawning a process that imports torch costs seconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.testing import run_subtests
+from commsched.testing.models import BatchNormNet, ParityNet
+
+pytestmark = pytest.mark.distributed
+
+PER_RANK_BATCH = 4
+ITERATIONS = 6
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+STRATEGIES = {
+    "default": commsched.Strategy(),
+    "one_bucket_per_tensor": commsched.Strategy(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
+    "small_buckets": commsched.Strategy(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+}
+
+
+def uses_aux(iteration: int, rank: int) -> bool:
+    """aux is unused on some ranks in some iterations, and on every rank in iteration 3."""
+    return iteration % 4 != 3 and (iteration + rank) % 3 != 0
+
+
+def batches(world_size: int, iterations: int = ITERATIONS):
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(iterations):
+        n = world_size * PER_RANK_BATCH
+        yield torch.randn(n, 8, generator=generator), torch.randn(n, 4, generator=generator)
+
+
+def rank_slice(rank: int) -> slice:
+    return slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+
+
+def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
+    """One step of single-process training on the concatenated batch.
+
+    The loss is the mean over the global batch; each rank's slice is routed as
+    that rank routes it, so unused-parameter patterns match.
+    """
+    loss = sum(
+        F.mse_loss(model(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
+        for r in range(world_size)
+    ) / world_size
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def assert_same_parameters(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol=1e-4, atol=1e-5):
+    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"parameter '{name}': {m}")
+        assert (a.grad is None) == (e.grad is None), (
+            f"parameter '{name}': grad is None: {a.grad is None}, expected {e.grad is None}"
+        )
+
+
+def assert_equal_on_all_ranks(model: torch.nn.Module) -> None:
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, tensor.detach().contiguous())
+        for rank, other in enumerate(gathered):
+            assert torch.equal(other, tensor), f"'{name}' differs between this rank and rank {rank}"
+
+
+def fresh_pair(optimizer_name: str, model_cls=ParityNet):
+    torch.manual_seed(0)
+    model = model_cls()
+    reference = copy.deepcopy(model)
+    return model, OPTIMIZERS[optimizer_name](model.parameters()), reference, OPTIMIZERS[optimizer_name](reference.parameters())
+
+
+def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none):
+    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
+    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    for iteration, (x, y) in enumerate(batches(world_size)):
+        mine = rank_slice(rank)
+        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    if set_to_none:
+        assert model.never_used.weight.grad is None
+
+
+def case_no_sync_accumulation(rank, world_size, micro_steps=3):
+    """Gradients accumulated under no_sync, reduced once by the last backward."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
+    model, optimizer = commsched.prepare(model, optimizer, commsched.Strategy(bucket_cap_mb=0.002))
+    data = list(batches(world_size, iterations=2 * micro_steps))
+    for start in range(0, len(data), micro_steps):
+        for k in range(micro_steps):
+            x, y = data[start + k]
+            mine = rank_slice(rank)
+            last = k == micro_steps - 1
+            context = model.no_sync() if not last else torch.enable_grad()
+            with context:
+                F.mse_loss(model(x[mine], use_aux=uses_aux(start + k, rank)), y[mine]).backward()
+            loss = sum(
+                F.mse_loss(reference(x[rank_slice(r)], use_aux=uses_aux(start + k, r)), y[rank_slice(r)])
+                for r in range(world_size)
+            ) / world_size
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+
+
+def case_backward_twice_without_step(rank, world_size):
+    """Two backward passes before one step accumulate, as in single-process training."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("sgd")
+    model, optimizer = commsched.prepare(model, optimizer)
+    data = list(batches(world_size, iterations=4))
+    for pair in (data[:2], data[2:]):
+        for iteration, (x, y) in enumerate(pair):
+            mine = rank_slice(rank)
+            F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+            loss = sum(
+                F.mse_loss(reference(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
+                for r in range(world_size)
+            ) / world_size
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+
+
+def case_matches_ddp(rank, world_size, optimizer_name, model_cls):
+    """Same initial model, same data: commsched and torch DDP end with the same parameters."""
+    torch.manual_seed(0)
+    base = model_cls()
+    ddp_model = DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=model_cls is ParityNet)
+    ddp_optimizer = OPTIMIZERS[optimizer_name](ddp_model.parameters())
+    model, optimizer = commsched.prepare(base, OPTIMIZERS[optimizer_name](base.parameters()))
+    generator = torch.Generator().manual_seed(99 + rank)
+    for iteration in range(ITERATIONS):
+        if model_cls is BatchNormNet:
+            x = torch.randn(PER_RANK_BATCH, 1, 6, 6, generator=generator)
+            y = torch.randint(0, 3, (PER_RANK_BATCH,), generator=generator)
+            runs = [(m, o, lambda m: F.cross_entropy(m(x), y)) for m, o in
+                    ((ddp_model, ddp_optimizer), (model, optimizer))]
+        else:
+            x = torch.randn(PER_RANK_BATCH, 8, generator=generator)
+            y = torch.randn(PER_RANK_BATCH, 4, generator=generator)
+            aux = uses_aux(iteration, rank)
+            runs = [(m, o, lambda m: F.mse_loss(m(x, use_aux=aux), y)) for m, o in
+                    ((ddp_model, ddp_optimizer), (model, optimizer))]
+        for m, o, loss_fn in runs:
+            loss_fn(m).backward()
+            o.step()
+            o.zero_grad()
+    for (name, a), (_, e) in zip(model.named_parameters(), ddp_model.module.named_parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter '{name}': {m}")
+    for (name, a), (_, e) in zip(model.named_buffers(), ddp_model.module.named_buffers(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
+
+
+def parity_grid(rank: int, world_size: int) -> None:
+    cases = {}
+    for (opt, strategy_name), set_to_none in itertools.product(
+        itertools.product(OPTIMIZERS, STRATEGIES), (True, False)
+    ):
+        cases[f"single_process/{opt}/{strategy_name}/set_to_none={set_to_none}"] = functools.partial(
+            case_matches_single_process, rank, world_size, opt, STRATEGIES[strategy_name], set_to_none
+        )
+    cases["no_sync_accumulation"] = functools.partial(case_no_sync_accumulation, rank, world_size)
+    cases["backward_twice_without_step"] = functools.partial(case_backward_twice_without_step, rank, world_size)
+    for opt in OPTIMIZERS:
+        cases[f"ddp/{opt}/ParityNet"] = functools.partial(case_matches_ddp, rank, world_size, opt, ParityNet)
+    cases["ddp/sgd/BatchNormNet"] = functools.partial(case_matches_ddp, rank, world_size, "sgd", BatchNormNet)
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parity_grid(ranks, world_size):
+    ranks(parity_grid, world_size, timeout_s=300)
+
+
+def single_rank_is_plain_training(rank: int, world_size: int) -> None:
+    for opt in OPTIMIZERS:
+        model, optimizer, reference, reference_optimizer = fresh_pair(opt)
+        model, optimizer = commsched.prepare(model, optimizer)
+        for iteration, (x, y) in enumerate(batches(1)):
+            F.mse_loss(model(x, use_aux=uses_aux(iteration, 0)), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reference_step(reference, reference_optimizer, x, y, iteration, 1)
+        assert_same_parameters(model, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_world_size_one_is_plain_training(ranks):
+    ranks(single_rank_is_plain_training, 1, timeout_s=120)
