@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from commsched import Strategy
+from commsched.strategy import MIB
+
+
+def test_defaults_match_ddp():
+    strategy = Strategy()
+    assert strategy.bucket_cap_mb == 25.0
+    assert strategy.first_bucket_mb == 1.0
+    assert strategy.broadcast_buffers is True
+    assert strategy.bucket_size_limits_bytes == [1 * MIB, 25 * MIB]
+
+
+@pytest.mark.parametrize("field", ["bucket_cap_mb", "first_bucket_mb", "timeout_s"])
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, math.nan, "25", None, True])
+def test_bad_numbers_name_the_field_and_range(field, value):
+    with pytest.raises(ValueError) as error:
+        Strategy(**{field: value})
+    message = str(error.value)
+    assert f"Strategy.{field}" in message
+    assert repr(value) in message
+    assert "greater than 0" in message or "must be a number" in message
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_bad_flags_name_the_field(value):
+    with pytest.raises(ValueError, match=r"Strategy.broadcast_buffers must be True or False"):
+        Strategy(broadcast_buffers=value)
+
+
+def test_frozen_and_keyword_only():
+    strategy = Strategy(bucket_cap_mb=4)
+    with pytest.raises(AttributeError):
+        strategy.bucket_cap_mb = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Strategy(4)  # type: ignore[misc]
+    assert "bucket_cap_mb=4" in strategy.describe()
