@@ -1,6 +1,7 @@
-"""Run a function on N real processes joined by a gloo process group on 127.0.0.1.
+"""Run a function on N local processes joined by a gloo process group on 127.0.0.1.
 
-Used by commsched's own tests, and usable by anyone testing code built on it:
+The demo, the benchmarks and the tests all start their ranks this way, and so
+can anyone testing code built on commsched:
 
     results = run_ranks(check_something, world_size=3, timeout_s=120)
 
@@ -141,19 +142,3 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def run_subtests(cases: Mapping[str, Callable[[], None]]) -> None:
-    """Run every case, then raise one error naming each case that failed.
-
-    Inside a rank, this amortises the seconds a spawned process costs over many
-    cases, as FSDP's ``run_subtests`` does.
-    """
-    failed: list[str] = []
-    for name, case in cases.items():
-        try:
-            case()
-        except Exception:  # noqa: BLE001 - collect and report them all
-            failed.append(f"[{name}]\n{traceback.format_exc()}")
-    if failed:
-        raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed))

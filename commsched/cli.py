@@ -1,0 +1,61 @@
+"""The ``commsched`` command: argv in, actions out (the only place that reads argv)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from commsched import __version__
+from commsched.strategy import Strategy
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from commsched.compare import ComparisonConfig
+    from commsched.demo import render_report, run_demo
+
+    config = ComparisonConfig(
+        workload=args.workload,
+        batch_size=args.batch_size,
+        iterations=args.iterations,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        strategy=Strategy(bucket_cap_mb=args.bucket_cap_mb),
+        show_progress=not args.no_progress,
+    )
+    results = run_demo(config, world_size=args.world_size)
+    agree = render_report(results, config, args.world_size)
+    return 0 if agree else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from commsched.models import WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="commsched", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"commsched {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser(
+        "demo", help="train a small model with torch DDP and commsched side by side on loopback"
+    )
+    demo.add_argument("--world-size", type=int, default=2, help="local ranks to spawn (default 2)")
+    demo.add_argument("--workload", choices=sorted(WORKLOADS), default="demo-mlp")
+    demo.add_argument("--batch-size", type=int, default=64, help="per rank (default 64)")
+    demo.add_argument("--iterations", type=int, default=40, help="per system per round (default 40)")
+    demo.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
+    demo.add_argument("--warmup", type=int, default=3)
+    demo.add_argument("--bucket-cap-mb", type=float, default=Strategy().bucket_cap_mb)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(action=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("world_size", "batch_size", "iterations", "rounds"):
+        if getattr(args, name, 1) < 1:
+            build_parser().error(f"--{name.replace('_', '-')} must be at least 1")
+    return args.action(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

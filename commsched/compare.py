@@ -1,0 +1,141 @@
+"""Train the same model with torch DDP and with commsched, side by side, on each rank.
+
+Shared by ``commsched demo`` and the benchmarks. Both systems start from the
+same weights and see the same batches; their runs are interleaved in rounds
+(alternating which goes first) so that drift in machine load hits both alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.models import WORKLOADS
+from commsched.strategy import Strategy
+
+DDP = "torch DDP"
+COMMSCHED = "commsched"
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    workload: str = "demo-mlp"
+    batch_size: int = 64
+    """Per rank."""
+    iterations: int = 20
+    """Measured iterations per system per round."""
+    rounds: int = 3
+    warmup: int = 3
+    """Iterations per system before the first round, not measured."""
+    learning_rate: float = 0.05
+    strategy: Strategy = field(default_factory=Strategy)
+    ddp_bucket_cap_mb: float = 25.0
+    show_progress: bool = True
+
+
+@dataclass
+class SystemResult:
+    iteration_times_s: list[float] = field(default_factory=list)
+    final_loss: float = float("nan")
+    eval_loss: float = float("nan")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.iteration_times_s)
+
+
+class _System:
+    def __init__(self, name, model, optimizer, config: ComparisonConfig, rank: int, world_size: int):
+        self.name, self.model, self.optimizer = name, model, optimizer
+        workload = WORKLOADS[config.workload]
+        self._stream = workload.batches(config.batch_size * world_size, seed=1)
+        self._mine = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+        self.result = SystemResult()
+        self.last_loss = torch.zeros(())
+
+    def step(self) -> float:
+        x, y = next(self._stream)
+        start = time.perf_counter()
+        loss = F.cross_entropy(self.model(x[self._mine]), y[self._mine])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        elapsed = time.perf_counter() - start
+        self.last_loss = loss.detach()
+        return elapsed
+
+
+def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dict[str, SystemResult] | None:
+    """Run the comparison; rank 0 returns the results, other ranks None."""
+    workload = WORKLOADS[config.workload]
+    torch.manual_seed(0)
+    base = workload.build()
+
+    def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
+
+    ddp_model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=config.ddp_bucket_cap_mb)
+    ours_model = copy.deepcopy(base)
+    ours_model, ours_optimizer = commsched.prepare(ours_model, sgd(ours_model), config.strategy)
+    systems = [
+        _System(DDP, ddp_model, sgd(ddp_model), config, rank, world_size),
+        _System(COMMSCHED, ours_model, ours_optimizer, config, rank, world_size),
+    ]
+
+    for system in systems:
+        for _ in range(config.warmup):
+            system.step()
+
+    total = config.rounds * config.iterations * len(systems)
+    with _progress(rank == 0 and config.show_progress, total, config.workload) as advance:
+        for round_index in range(config.rounds):
+            order = systems if round_index % 2 == 0 else systems[::-1]
+            for system in order:
+                dist.barrier()
+                for _ in range(config.iterations):
+                    system.result.iteration_times_s.append(system.step())
+                    advance(system.name)
+
+    held_out_x, held_out_y = next(workload.batches(256, seed=12345))
+    for system in systems:
+        loss = system.last_loss.clone()
+        dist.all_reduce(loss)
+        system.result.final_loss = float(loss) / world_size
+        system.model.eval()
+        with torch.no_grad():
+            system.result.eval_loss = float(F.cross_entropy(system.model(held_out_x), held_out_y))
+        system.model.train()
+    return {s.name: s.result for s in systems} if rank == 0 else None
+
+
+class _progress:
+    """A rich progress bar on rank 0; a no-op elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self._enabled, self._total, self._label = enabled, total, label
+
+    def __enter__(self):
+        if not self._enabled:
+            return lambda name: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.fields[system]}"),
+        )
+        self._bar.__enter__()
+        task = self._bar.add_task(f"training {self._label}", total=self._total, system="")
+        return lambda name: self._bar.update(task, advance=1, system=name)
+
+    def __exit__(self, *exc):
+        if self._enabled:
+            self._bar.__exit__(*exc)
+        return False

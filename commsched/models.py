@@ -1,0 +1,123 @@
+"""Models and synthetic data for the demo and the benchmarks.
+
+The shapes matter more than the task: the ResNet-like has many small tensors
+(per-tensor overheads dominate), the VGG-like has huge late fully connected
+layers (bytes dominate). Data is synthetic and labelled by a fixed random
+teacher, so the loss really falls and no download is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class DemoNet(nn.Module):
+    """A small MLP classifier for the demo."""
+
+    def __init__(self, in_features: int = 64, hidden: int = 512, classes: int = 10):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, channels: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNetLike(nn.Module):
+    """A CIFAR-style ResNet-34 layout at reduced width: 110 parameter tensors."""
+
+    def __init__(self, width: int = 16, blocks: tuple[int, ...] = (3, 4, 6, 3), classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        stages, channels = [], width
+        for stage, count in enumerate(blocks):
+            out_channels = width * 2**stage
+            for block in range(count):
+                stride = 2 if stage > 0 and block == 0 else 1
+                stages.append(_BasicBlock(channels, out_channels, stride))
+                channels = out_channels
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+class VGGLike(nn.Module):
+    """Small convolutions, then large fully connected layers (~13 MB of gradients)."""
+
+    def __init__(self, classes: int = 10, hidden: int = 1024):
+        super().__init__()
+
+        def stage(cin: int, cout: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+
+        self.features = nn.Sequential(*stage(3, 32), *stage(32, 64), *stage(64, 128), nn.Flatten())
+        self.classifier = nn.Sequential(
+            nn.Linear(128 * 4 * 4, hidden), nn.ReLU(),
+            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and the synthetic classification task it trains on."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    classes: int = 10
+
+    def teacher(self, seed: int = 7) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A fixed random linear map from inputs to labels: a learnable task."""
+        generator = torch.Generator().manual_seed(seed)
+        numel = 1
+        for size in self.input_shape:
+            numel *= size
+        projection = torch.randn(numel, self.classes, generator=generator)
+        return lambda x: (x.reshape(len(x), -1) @ projection).argmax(dim=1)
+
+    def batches(self, batch_size: int, seed: int = 0):
+        """An endless stream of (inputs, labels), identical for identical seeds."""
+        generator = torch.Generator().manual_seed(seed)
+        label = self.teacher()
+        while True:
+            x = torch.randn(batch_size, *self.input_shape, generator=generator)
+            yield x, label(x)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "demo-mlp": Workload("demo-mlp", DemoNet, (64,)),
+    "resnet-like": Workload("resnet-like", ResNetLike, (3, 32, 32)),
+    "vgg-like": Workload("vgg-like", VGGLike, (3, 32, 32)),
+}
