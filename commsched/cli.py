@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         rounds=args.rounds,
         warmup=args.warmup,
-        strategy=Strategy(bucket_cap_mb=args.bucket_cap_mb),
+        strategy=args.strategy,
         show_progress=not args.no_progress,
     )
     results = run_demo(config, world_size=args.world_size)
@@ -50,10 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for name in ("world_size", "batch_size", "iterations", "rounds"):
         if getattr(args, name, 1) < 1:
-            build_parser().error(f"--{name.replace('_', '-')} must be at least 1")
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if hasattr(args, "bucket_cap_mb"):
+        try:
+            args.strategy = Strategy(bucket_cap_mb=args.bucket_cap_mb)
+        except ValueError as error:
+            parser.error(str(error))
     return args.action(args)
 
 

@@ -184,6 +184,48 @@ def case_matches_ddp(rank, world_size, optimizer_name, model_cls):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
 
 
+def case_state_dicts_keep_torch_format(rank, world_size):
+    """Keys stay the user's own; an optimizer checkpoint loads into plain torch.optim and back."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
+    keys = list(model.state_dict())
+    model, optimizer = commsched.prepare(model, optimizer)
+    x, y = next(batches(world_size))
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert list(model.state_dict()) == keys
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert isinstance(optimizer, torch.optim.AdamW)
+    for a, b in zip(optimizer.state_dict()["state"].values(), reference_optimizer.state_dict()["state"].values()):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=0, atol=0)
+    optimizer.load_state_dict(copy.deepcopy(reference_optimizer.state_dict()))
+    # Training continues identically from the reloaded state on both sides.
+    x, y = list(batches(world_size, 2))[1]
+    F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(1, rank)), y[rank_slice(rank)]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    reference_step(reference, reference_optimizer, x, y, 1, world_size)
+    assert_same_parameters(model, reference)
+
+
+def case_buffers_broadcast_at_forward(rank, world_size):
+    """BatchNorm statistics diverge per rank in training and are re-synced by the next forward."""
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 1, 6, 6) + rank  # different statistics on every rank
+    F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+    optimizer.step()
+    stats = model.features[1].running_mean.clone()
+    others = [torch.empty_like(stats) for _ in range(world_size)]
+    torch.distributed.all_gather(others, stats)
+    assert not all(torch.equal(o, others[0]) for o in others), "ranks should have diverged"
+    model.eval()
+    model(x)  # records gradients, so buffers are broadcast from rank 0 first
+    assert_equal_on_all_ranks(model)
+
+
 def parity_grid(rank: int, world_size: int) -> None:
     cases = {}
     for (opt, strategy_name), set_to_none in itertools.product(
@@ -196,6 +238,8 @@ def parity_grid(rank: int, world_size: int) -> None:
     cases["backward_twice_without_step"] = functools.partial(case_backward_twice_without_step, rank, world_size)
     for opt in OPTIMIZERS:
         cases[f"ddp/{opt}/ParityNet"] = functools.partial(case_matches_ddp, rank, world_size, opt, ParityNet)
+    cases["state_dicts_keep_torch_format"] = functools.partial(case_state_dicts_keep_torch_format, rank, world_size)
+    cases["buffers_broadcast_at_forward"] = functools.partial(case_buffers_broadcast_at_forward, rank, world_size)
     cases["ddp/sgd/BatchNormNet"] = functools.partial(case_matches_ddp, rank, world_size, "sgd", BatchNormNet)
     run_subtests(cases)
 
