@@ -149,6 +149,7 @@ class GradientReducer:
         if grad is not view:
             # The gradient was None before this backward (zero_grad(set_to_none=True))
             # or replaced by the user: move it into the bucket once.
+            self._check_gradient_kind(slot, grad)
             view.copy_(grad)
             param.grad = view
         self._ready[slot] = True
@@ -159,6 +160,19 @@ class GradientReducer:
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0 and bucket == self._next_launch:
             self._launch_ready_buckets()
+
+    def _check_gradient_kind(self, slot: int, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"parameter '{self._names[slot]}' received a sparse gradient; commsched reduces "
+                "dense gradients only. Use nn.Embedding(..., sparse=False)."
+            )
+        if grad.requires_grad:
+            raise RuntimeError(
+                f"parameter '{self._names[slot]}' received a gradient that requires grad "
+                "(backward(create_graph=True)); higher-order gradients cannot be reduced. "
+                "Compute them with torch.autograd.grad on an unprepared copy of the model."
+            )
 
     def _begin_backward(self) -> None:
         if self._in_flight:

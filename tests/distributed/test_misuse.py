@@ -106,6 +106,23 @@ def case_not_a_strategy():
         commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), {"bucket_cap_mb": 1})
 
 
+def case_double_backward():
+    model, optimizer = prepared()
+    loss = F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match=r"create_graph=True"):
+        loss.backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="previous backward pass did not finish"):
+        model(torch.randn(4, 8))
+
+
+def case_sparse_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"'0.weight' received a sparse gradient"):
+        model(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+
+
 def misuse_grid(rank: int, world_size: int) -> None:
     def replace_parameter(model):
         model.head.bias = nn.Parameter(torch.zeros(4))
@@ -123,6 +140,8 @@ def misuse_grid(rank: int, world_size: int) -> None:
         "lr_scheduler_before_prepare": case_lr_scheduler_created_before_prepare,
         "lr_scheduler_after_prepare": case_lr_scheduler_after_prepare_works,
         "not_a_strategy": case_not_a_strategy,
+        "double_backward": case_double_backward,
+        "sparse_gradient": case_sparse_gradient,
         "parameter_added": expect_after_prepare(
             lambda m: setattr(m, "extra", nn.Parameter(torch.zeros(3))), "'extra' was added"),
         "module_removed": expect_after_prepare(
