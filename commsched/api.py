@@ -53,13 +53,30 @@ def prepare(
     verify_same_across_ranks(descriptions, group)
     broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
 
-    reducer = GradientReducer(model, strategy, AllReduceBackend(group), group)
+    reducer = GradientReducer(
+        model, optimizer, strategy, AllReduceBackend(group), group, _buffer_group(strategy, group)
+    )
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     if optimizer is not None:
         _mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
     return model, optimizer
+
+
+def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second group for buffer broadcasts, so they never queue behind gradients.
+
+    With forward overlap, gradient reductions are still in flight when the next
+    forward pass broadcasts buffers; on the same group the broadcast would wait
+    for all of them. Only made for the default group: ``new_group`` must be
+    entered by every process of the job.
+    """
+    if not (strategy.overlap_forward and strategy.broadcast_buffers):
+        return None
+    if dist.get_world_size(group) == 1 or group is not dist.group.WORLD:
+        return None
+    return dist.new_group(backend=dist.get_backend(group))
 
 
 def _resolve_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

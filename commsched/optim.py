@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from commsched.reducer import GradientReducer
 
 
@@ -21,8 +23,21 @@ class CommschedOptimizer:
         self._commsched_reducer.synchronize()
 
     def step(self, closure: Any = None) -> Any:
-        self.synchronize()
-        return super().step(closure)  # type: ignore[misc]
+        """Release this iteration's update.
+
+        Without forward overlap the update runs now; with it, ``step()`` returns at
+        once and each bucket is updated when its reduction completes.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._commsched_reducer.step(super(CommschedOptimizer, self).step)  # type: ignore[misc]
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._commsched_reducer.before_zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()

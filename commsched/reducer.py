@@ -1,29 +1,43 @@
-"""The gradient reducer: from "a gradient is ready" to "every rank holds the average".
+"""The gradient reducer: from "a gradient is ready" to "the parameter is updated".
 
 One `GradientReducer` is attached to each prepared model. Per backward pass:
 
 1. a post-accumulate-grad hook marks a parameter ready (its gradient already
    sits in its bucket's flat buffer, since ``param.grad`` is a view into it);
-2. when a bucket is complete and every bucket before it has been launched, its
-   reduction is launched, so all ranks issue collectives in the same order
-   whatever their timing;
+2. a complete bucket is divided by the world size and its partitions are handed
+   to the `PlanExecutor`, which issues them in the agreed order under the
+   credit window (see `commsched.scheduler`);
 3. at the end of the backward pass (an autograd engine callback) parameters
-   that got no gradient are resolved, the remaining buckets are launched, and
-   the reductions are waited for and averaged, as torch DDP does, so code that
-   reads gradients after ``backward()`` (clipping, logging) sees the average.
+   that got no gradient are resolved and everything left is issued.
+
+Then, without forward overlap, the end of backward waits for every reduction
+(torch DDP's behaviour: code between ``backward()`` and ``step()`` sees averaged
+gradients) and ``step()`` updates. With forward overlap, ``backward()`` and
+``step()`` return at once, and each module's forward pre-hook (its *gate*)
+waits for its own buckets' reductions and runs their update.
 
 [Note: unused parameters] A parameter may get no gradient in an iteration on
 some ranks or on all. Each rank writes, per parameter, whether it holds a
-gradient into a few extra elements at the end of the last bucket launched; the
-sum over ranks tells every rank which parameters no rank used, and those keep
-``grad=None`` exactly as in single-process training. No extra collective, and
-no ``find_unused_parameters`` switch: it is always on, for the price of one
-element per parameter.
+gradient into a few extra elements at the end of the *flags bucket* (the one
+the next forward needs first, whose gradients are ready last anyway); it is
+issued only at the end of the backward pass, when every flag is known. The sum
+over ranks tells every rank which parameters no rank used: those keep
+``grad=None`` and are not updated, exactly as in single-process training. No
+extra collective, and no ``find_unused_parameters`` switch.
+
+[Note: gradients the user touches] With forward overlap, reductions may still
+be in flight when ``backward()`` returns, so a gradient changed in place before
+``step()`` (clipping, AMP unscaling) would race with them. The first
+`WARMUP_ITERATIONS` run without overlap and watch the version counters of the
+gradient buffers: a loop that changes gradients keeps running without overlap
+(logged once). A change seen later, with reductions in flight, stops training
+with an error that says what to do.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,60 +48,94 @@ from torch.utils.hooks import RemovableHandle
 from commsched.backends.base import Backend, Handle
 from commsched.buckets import Bucket, compute_bucket_assignment_by_size
 from commsched.consistency import broadcast_from_rank0
+from commsched.order import ForwardRecorder, agree_on_order
+from commsched.planning import ReadyTimeProfile, plan_on_rank0
+from commsched.scheduler import Partition, PlanExecutor, fifo_plan, make_partitions
 from commsched.strategy import Strategy
+from commsched.updates import BucketUpdater, unsupported_reason
+
+logger = logging.getLogger("commsched")
+
+WARMUP_ITERATIONS = 2
+"""Iterations run without forward overlap while watching for gradient changes."""
+PLAN_ITERATION = 5
+"""The backward pass at whose start rank 0 plans the order from the ones before it."""
 
 
 class Phase(enum.Enum):
     IDLE = "idle"
-    """No backward pass running; gradients (if any) are final."""
+    """No backward pass running."""
     BACKWARD = "backward"
-    """A backward pass is producing gradients and launching reductions."""
+    """A backward pass is producing gradients and issuing partitions."""
 
 
 class GradientReducer:
-    """Buckets, hooks and in-flight reductions of one prepared model."""
+    """Buckets, hooks, in-flight reductions and gates of one prepared model."""
 
     def __init__(
         self,
         module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
         strategy: Strategy,
         backend: Backend,
         process_group: dist.ProcessGroup,
+        buffer_group: dist.ProcessGroup | None = None,
     ):
         self.module = module
+        self.optimizer = optimizer
         self.strategy = strategy
         self.backend = backend
         self.process_group = process_group
+        self.buffer_group = buffer_group or process_group
         self.world_size = backend.world_size
         self.phase = Phase.IDLE
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        # Gradients are produced roughly in reverse registration order; bucket
-        # that order so the first bucket fills first.
-        named.reverse()
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        self.buckets = self._build_buckets()
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
-        self._bucket_of: list[int] = [0] * len(self._params)
-        slot_of = {id(p): slot for slot, p in enumerate(self._params)}
-        for bucket in self.buckets:
-            for param, view in zip(bucket.params, bucket.grad_views):
-                slot = slot_of[id(param)]
-                self._views[slot] = view
-                self._bucket_of[slot] = bucket.index
-        self._bucket_param_counts = [len(b.params) for b in self.buckets]
+        self._num_slots = len(self._params)
 
-        # Per backward pass.
-        self._ready: list[bool] = []
-        self._has_grad: list[bool] = [False] * len(self._params)
-        self._pending: list[int] = []
-        self._next_launch = 0
-        self._sync_this_backward = True
-        self._unowned_grad_slots: list[int] = []
-        self._in_flight: list[tuple[Bucket, Handle]] = []
+        self.updater: BucketUpdater | None = None
+        self._overlap_off_reason: str | None = None
+        if optimizer is not None and (strategy.fuse_optimizer or strategy.overlap_forward):
+            self._overlap_off_reason = unsupported_reason(optimizer)
+        elif strategy.overlap_forward:
+            self._overlap_off_reason = "no optimizer was given to prepare()"
+        if strategy.overlap_forward and self._overlap_off_reason:
+            logger.warning("commsched: overlap_forward is off: %s", self._overlap_off_reason)
 
+        # Built once the parameter order is known (see _build).
+        self.buckets: list[Bucket] = []
+        self.partitions: list[Partition] = []
+        self._executor: PlanExecutor | None = None
+        self._views: list[torch.Tensor] = []
+        self._bucket_of: list[int] = []
+        self._flags_bucket = -1
+        self._gate_buckets: dict[int, list[int]] = {}
+        self._root_gate_buckets: list[int] = []
+        self._recorder: ForwardRecorder | None = None
+        self._profile: ReadyTimeProfile | None = None
+
+        # Per backward pass / iteration.
         self._sync_enabled = True
+        self._sync_this_backward = True
+        self._iteration = -1
+        self._ready: list[bool] = []
+        self._has_grad: list[bool] = [False] * self._num_slots
+        self._pending: list[int] = []
+        self._unowned_grad_slots: list[int] = []
+        self._globally_unused: frozenset[int] = frozenset()
+        self._flags_settled = True
+        self._handles: list[list[Handle]] = []
+        self._reduced: list[bool] = []
+        self._updated: list[bool] = []
+        self._launch_version: list[int] = []
+        self._outstanding = 0
+        self._overlap_now = False
+        self._step_hyperparameters: list[dict] | None = None
+        self._user_may_touch_grads = False
+        self._grads_released = False
+
         self._modules = list(module.modules())
         self._fingerprint = self._take_fingerprint()
         self._snapshot = self._describe_parameters()
@@ -96,18 +144,85 @@ class GradientReducer:
             for slot, param in enumerate(self._params)
         ]
         self._hook_handles.append(module.register_forward_pre_hook(self._before_forward))
+        if not strategy.priority:
+            # Registration order reversed approximates the order gradients are produced.
+            self._build(list(range(self._num_slots)))
 
-    # ------------------------------------------------------------------ setup
-    def _build_buckets(self) -> list[Bucket]:
+    # ------------------------------------------------------------------ build
+    @property
+    def overlap_enabled(self) -> bool:
+        return self.strategy.overlap_forward and self._overlap_off_reason is None
+
+    def _build(self, forward_order: list[int], used_before_owner: set[int] = frozenset()) -> None:
+        """Buckets in reverse forward order, their partitions, the plan and the gates."""
+        backward_order = forward_order[::-1]
+        forward_position = {slot: i for i, slot in enumerate(forward_order)}
         assignment = compute_bucket_assignment_by_size(
-            self._params, self.strategy.bucket_size_limits_bytes
+            [self._params[s] for s in backward_order], self.strategy.bucket_size_limits_bytes
         )
-        buckets = []
-        for index, slots in enumerate(assignment):
-            is_last = index == len(assignment) - 1
-            tail = len(self._params) if is_last else 0  # see [Note: unused parameters]
-            buckets.append(Bucket(index, [self._params[s] for s in slots], tail_numel=tail))
-        return buckets
+        bucket_slots = [[backward_order[i] for i in indices] for indices in assignment]
+        # The flags bucket holds the first parameter of the forward pass.
+        self._flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
+        self.buckets = [
+            Bucket(b, [self._params[s] for s in slots],
+                   tail_numel=self._num_slots if b == self._flags_bucket else 0)
+            for b, slots in enumerate(bucket_slots)
+        ]
+        self._views = [torch.empty(0)] * self._num_slots
+        self._bucket_of = [0] * self._num_slots
+        self._bucket_slots = bucket_slots
+        for bucket, slots in zip(self.buckets, bucket_slots):
+            for slot, view in zip(slots, bucket.grad_views):
+                self._views[slot] = view
+                self._bucket_of[slot] = bucket.index
+                grad = self._params[slot].grad
+                if grad is not None:  # gradients from before the build move into the bucket
+                    view.copy_(grad)
+                    self._params[slot].grad = view
+        self._bucket_param_counts = [len(s) for s in bucket_slots]
+
+        priorities = [min(forward_position[s] for s in slots) for slots in bucket_slots]
+        self.partitions = make_partitions(
+            [b.flat.numel() for b in self.buckets],
+            [b.flat.element_size() for b in self.buckets],
+            priorities,
+            self.strategy.partition_bytes,
+        )
+        self._executor = PlanExecutor(self.partitions, fifo_plan(self.partitions), self.strategy.credit_bytes)
+        if self.strategy.priority:
+            self._profile = ReadyTimeProfile(len(self.buckets))
+
+        wants_updater = self.strategy.fuse_optimizer or self.strategy.overlap_forward
+        if self.optimizer is not None and wants_updater and self._overlap_off_reason is None:
+            self.updater = BucketUpdater(
+                self.optimizer,
+                [b.params for b in self.buckets],
+                [b.grad_views for b in self.buckets],
+                bucket_slots,
+                fused=self.strategy.fuse_optimizer,
+            )
+        if self.overlap_enabled:
+            self._install_gates(used_before_owner)
+        self._reset_iteration_state()
+
+    def _install_gates(self, used_before_owner: set[int]) -> None:
+        slot_of = {id(p): s for s, p in enumerate(self._params)}
+        for module in self._modules:
+            slots = {slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of}
+            if slots and module is not self.module:
+                self._gate_buckets[id(module)] = sorted({self._bucket_of[s] for s in slots})
+                self._hook_handles.append(module.register_forward_pre_hook(self._gate))
+            elif slots:
+                used_before_owner = set(used_before_owner) | slots
+        self._root_gate_buckets = sorted({self._bucket_of[s] for s in used_before_owner})
+
+    def _reset_iteration_state(self) -> None:
+        n = len(self.buckets)
+        self._handles = [[] for _ in range(n)]
+        self._reduced = [True] * n
+        self._updated = [True] * n
+        self._launch_version = [0] * n
+        self._outstanding = 0
 
     def _make_grad_hook(self, slot: int):
         def on_grad_accumulated(param: torch.Tensor) -> None:
@@ -133,12 +248,44 @@ class GradientReducer:
             self._sync_enabled = previous
 
     def synchronize(self) -> None:
-        """Block until every launched reduction is done and averaged."""
+        """Block until every launched reduction is done, and every released update."""
         if self.phase is Phase.BACKWARD:
             raise RuntimeError(
                 "synchronize() was called during a backward pass; call it after backward() returns"
             )
-        self._finish_reductions()
+        for bucket in range(len(self.buckets)):
+            self._complete_bucket(bucket)
+        # Gradients are final now: changing them before step() is legitimate.
+        self._user_may_touch_grads = True
+
+    def step(self, step_with_optimizer) -> None:
+        """Release this iteration's updates (all at once without overlap)."""
+        if self._step_hyperparameters is not None:
+            # A second step() on the same gradients: finish the first, then redo it whole.
+            self.synchronize()
+            self._step_hyperparameters = None
+            self._updated = [False] * len(self.buckets)
+            self._outstanding = len(self.buckets)
+        if self._overlap_now:
+            self._check_gradients_untouched()
+        if self.updater is None:
+            self.synchronize()
+            step_with_optimizer()
+            self._updated = [True] * len(self.buckets)
+            self._outstanding = 0
+            return
+        self._step_hyperparameters = self.updater.snapshot()
+        if not self._overlap_now:
+            self._note_gradient_changes_before_overlap()
+            self.synchronize()
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            # Gradients still being settled must not reappear as .grad afterwards.
+            self._grads_released = True
+        else:
+            # Zeroing in place would race with reductions still in flight.
+            self.synchronize()
 
     # ------------------------------------------------------------ hot path
     def _on_grad_ready(self, slot: int, param: torch.Tensor) -> None:
@@ -158,8 +305,8 @@ class GradientReducer:
         self._has_grad[slot] = True
         bucket = self._bucket_of[slot]
         self._pending[bucket] -= 1
-        if self._pending[bucket] == 0 and bucket == self._next_launch:
-            self._launch_ready_buckets()
+        if self._pending[bucket] == 0 and bucket != self._flags_bucket:
+            self._bucket_ready(bucket)
 
     def _check_gradient_kind(self, slot: int, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -175,23 +322,52 @@ class GradientReducer:
             )
 
     def _begin_backward(self) -> None:
-        if self._in_flight:
-            self._finish_reductions()
+        # The previous iteration's reductions write into the buffers we are about to fill.
+        self.synchronize()
+        if not self.buckets:
+            self._build(list(range(self._num_slots)))
         self.phase = Phase.BACKWARD
         self._sync_this_backward = self._sync_enabled
-        self._ready = [False] * len(self._params)
-        self._pending = list(self._bucket_param_counts)
-        self._next_launch = 0
+        self._ready = [False] * self._num_slots
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not self._sync_this_backward:
+            return
+        self._iteration += 1
+        if self._iteration == PLAN_ITERATION and self._profile is not None:
+            plan = plan_on_rank0(self.partitions, self._profile, self.strategy.credit_bytes, self.process_group)
+            self._executor = PlanExecutor(self.partitions, plan, self.strategy.credit_bytes)
+        n = len(self.buckets)
+        self._pending = list(self._bucket_param_counts)
+        self._executor.reset(n)
+        self._handles = [[] for _ in range(n)]
+        self._reduced = [False] * n
+        self._updated = [False] * n
+        self._outstanding = n
+        self._step_hyperparameters = None
+        self._flags_settled = False
+        self._globally_unused = frozenset()
+        self._user_may_touch_grads = False
+        self._grads_released = False
+        self._overlap_now = self.overlap_enabled and self._iteration >= WARMUP_ITERATIONS
+        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
+            self._profile.begin()
 
-    def _launch_ready_buckets(self) -> None:
-        buckets = self.buckets
-        while self._next_launch < len(buckets) and self._pending[self._next_launch] == 0:
-            bucket = buckets[self._next_launch]
-            if bucket.tail.numel():
-                bucket.tail.copy_(torch.tensor(self._has_grad, dtype=bucket.dtype))
-            self._in_flight.append((bucket, self.backend.launch(bucket)))
-            self._next_launch += 1
+    def _bucket_ready(self, bucket_index: int) -> None:
+        bucket = self.buckets[bucket_index]
+        if self.world_size > 1:
+            bucket.flat[: bucket.grad_numel].div_(self.world_size)
+        if bucket_index == self._flags_bucket:
+            bucket.tail.copy_(torch.tensor(self._has_grad, dtype=bucket.dtype))
+        self._launch_version[bucket_index] = bucket.flat._version
+        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
+            self._profile.bucket_ready(bucket_index)
+        self._executor.mark_ready(bucket_index)
+        self._executor.pump(self._launch_partition, _is_completed)
+
+    def _launch_partition(self, partition: Partition) -> Handle:
+        handle = self.backend.launch(self.buckets[partition.bucket], partition.start, partition.end)
+        self._handles[partition.bucket].append(handle)
+        return handle
 
     def _end_backward(self) -> None:
         """Runs once the autograd engine has finished this backward pass."""
@@ -200,9 +376,14 @@ class GradientReducer:
             return
         if not all(self._ready):
             self._resolve_unready_parameters()
-        self._launch_ready_buckets()
-        assert self._next_launch == len(self.buckets), "every bucket must be launched"
-        self._finish_reductions()
+        self._bucket_ready(self._flags_bucket)
+        self._executor.pump(self._launch_partition, _is_completed, ignore_credit=True)
+        assert self._executor.done, "every partition must be issued by the end of backward"
+        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
+            self._profile.end()
+        if not self._overlap_now:
+            for bucket in range(len(self.buckets)):
+                self._complete_bucket(bucket)
 
     def _resolve_unready_parameters(self) -> None:
         for slot, ready in enumerate(self._ready):
@@ -218,22 +399,77 @@ class GradientReducer:
                 param.grad = view
             self._has_grad[slot] = grad is not None
             self._ready[slot] = True
-            self._pending[self._bucket_of[slot]] -= 1
+            bucket = self._bucket_of[slot]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0 and bucket != self._flags_bucket:
+                self._bucket_ready(bucket)
 
-    def _finish_reductions(self) -> None:
-        if not self._in_flight:
+    # ------------------------------------------------------- completion side
+    def _complete_bucket(self, bucket: int) -> None:
+        """Wait for ``bucket``'s reduction; update it if step() released updates."""
+        if not self._reduced[bucket]:
+            for handle in self._handles[bucket]:
+                handle.wait(self.strategy.timeout_s)
+            self._reduced[bucket] = True
+        if not self._flags_settled and (bucket == self._flags_bucket or self._unowned_grad_slots):
+            self._settle_flags()
+        if self._step_hyperparameters is not None and not self._updated[bucket]:
+            if self.updater is not None:
+                self.updater.update(bucket, self._step_hyperparameters, self._globally_unused)
+            self._updated[bucket] = True
+            self._outstanding -= 1
+
+    def _settle_flags(self) -> None:
+        """Read which parameters some rank used; see [Note: unused parameters]."""
+        flags = self._flags_bucket
+        if not self._reduced[flags]:
+            for handle in self._handles[flags]:
+                handle.wait(self.strategy.timeout_s)
+            self._reduced[flags] = True
+        self._flags_settled = True
+        if not self._unowned_grad_slots:
             return
-        in_flight, self._in_flight = self._in_flight, []
-        for bucket, handle in in_flight:
-            handle.wait(self.strategy.timeout_s)
-            if self.world_size > 1:
-                bucket.flat.div_(self.world_size)
-        if self._unowned_grad_slots:
-            used_by_some_rank = self.buckets[-1].tail.tolist()
-            for slot in self._unowned_grad_slots:
-                if used_by_some_rank[slot] > 0:
-                    self._params[slot].grad = self._views[slot]
-            self._unowned_grad_slots.clear()
+        used_by_some_rank = self.buckets[flags].tail.tolist()
+        unused = []
+        for slot in self._unowned_grad_slots:
+            if used_by_some_rank[slot] == 0:
+                unused.append(slot)
+            elif not self._grads_released:
+                self._params[slot].grad = self._views[slot]
+        self._globally_unused = frozenset(unused)
+        self._unowned_grad_slots = []
+
+    def _gate(self, module: torch.nn.Module, args: object) -> None:
+        """Forward pre-hook: wait only for this module's own parameters."""
+        if self._outstanding:
+            for bucket in self._gate_buckets[id(module)]:
+                if not self._updated[bucket]:
+                    self._complete_bucket(bucket)
+
+    # ------------------------------------------------- gradients the user touches
+    def _gradient_versions_changed(self) -> bool:
+        return any(
+            bucket.flat._version != version
+            for bucket, version in zip(self.buckets, self._launch_version, strict=True)
+        )
+
+    def _note_gradient_changes_before_overlap(self) -> None:
+        if self.overlap_enabled and self._gradient_versions_changed():
+            self._overlap_off_reason = (
+                "gradients are modified between backward() and step() (clip_grad_norm_, "
+                "GradScaler.unscale_, ...), which needs every reduction finished first"
+            )
+            logger.warning("commsched: overlap_forward is off from now on: %s", self._overlap_off_reason)
+
+    def _check_gradients_untouched(self) -> None:
+        if self._user_may_touch_grads or not self._gradient_versions_changed():
+            return
+        raise RuntimeError(
+            "gradients were modified between backward() and step() while their reductions were "
+            "still in flight (Strategy.overlap_forward=True), so this step would be wrong. Call "
+            "optimizer.synchronize() before changing gradients (clip_grad_norm_, GradScaler."
+            "unscale_), or use Strategy(overlap_forward=False)."
+        )
 
     # -------------------------------------------------------- forward checks
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
@@ -253,7 +489,23 @@ class GradientReducer:
         ):
             buffers = [b for m in self._modules for b in m._buffers.values() if b is not None]
             if buffers:
-                broadcast_from_rank0(buffers, self.process_group, self.strategy.timeout_s)
+                broadcast_from_rank0(buffers, self.buffer_group, self.strategy.timeout_s)
+        if self._outstanding:
+            for bucket in self._root_gate_buckets:
+                if not self._updated[bucket]:
+                    self._complete_bucket(bucket)
+        if not self.buckets and torch.is_grad_enabled() and self._recorder is None:
+            self._recorder = ForwardRecorder(self.module, self._params)
+            self._after_first_forward_handle = self.module.register_forward_hook(
+                self._after_first_forward, always_call=True
+            )
+
+    def _after_first_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        recorder, self._recorder = self._recorder, None
+        self._after_first_forward_handle.remove()
+        recorder.finish()
+        order = agree_on_order(recorder.parameter_order(self._params), self.process_group)
+        self._build(order, recorder.used_before_owner)
 
     def _take_fingerprint(self) -> list[object]:
         """Cheap identity of the module tree and its trainable parameters."""
@@ -295,3 +547,6 @@ class GradientReducer:
             "calling commsched.prepare()."
         )
 
+
+def _is_completed(handle: Handle) -> bool:
+    return handle.is_completed()

@@ -30,6 +30,35 @@ class Strategy:
     rank 0 at the start of every forward pass that records gradients, as torch
     DDP does. Turn off when buffers are kept in sync by other means."""
 
+    priority: bool = True
+    """Send what the next forward pass needs first: partitions are issued by the
+    position of their parameters in the forward execution order recorded in the
+    first iteration (nearest the input most urgent), instead of in the order
+    gradients become ready."""
+
+    partition_mb: float | None = 4.0
+    """Largest unit on the wire, in MiB: buckets are cut into zero-copy slices of
+    at most this size so an urgent partition can overtake a large bucket between
+    two of its slices. ``None`` sends each bucket whole."""
+
+    credit_mb: float | None = 8.0
+    """Most bytes in flight during the backward pass, in MiB: a partition is
+    issued only if it fits (one larger than the window goes alone), which keeps
+    the queue short enough for urgent partitions to overtake. ``None`` issues
+    everything as soon as the agreed order allows."""
+
+    overlap_forward: bool = True
+    """Let the next forward pass start before all reductions are done:
+    ``optimizer.step()`` returns at once, each bucket is updated when its
+    reduction completes, and each module waits only for its own parameters.
+    Switched off automatically when gradients are modified between
+    ``backward()`` and ``step()`` (``clip_grad_norm_``, AMP unscaling), or when
+    the optimizer has no per-bucket update (only SGD, Adam and AdamW do)."""
+
+    fuse_optimizer: bool = True
+    """Update SGD, Adam and AdamW parameters bucket by bucket with torch's fused
+    kernels (``fused=True``) instead of the optimizer's own per-tensor loop."""
+
     timeout_s: float = 300.0
     """Longest wait, in seconds, for one gradient reduction. A peer that died or
     stopped participating gives a ``CommunicationTimeout`` naming the bucket
@@ -39,12 +68,28 @@ class Strategy:
         _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
         _check_positive_finite("first_bucket_mb", self.first_bucket_mb)
         _check_positive_finite("timeout_s", self.timeout_s)
-        _check_bool("broadcast_buffers", self.broadcast_buffers)
+        _check_optional_positive("partition_mb", self.partition_mb)
+        _check_optional_positive("credit_mb", self.credit_mb)
+        for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
+            _check_bool(name, getattr(self, name))
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
         """Bucket size limits in the form `compute_bucket_assignment_by_size` takes."""
         return [int(self.first_bucket_mb * MIB), int(self.bucket_cap_mb * MIB)]
+
+    @property
+    def partition_bytes(self) -> int | None:
+        return None if self.partition_mb is None else max(1, int(self.partition_mb * MIB))
+
+    @property
+    def credit_bytes(self) -> int | None:
+        return None if self.credit_mb is None else max(1, int(self.credit_mb * MIB))
+
+    @property
+    def schedules(self) -> bool:
+        """True if any scheduling feature is on (otherwise: the plain DDP-like core)."""
+        return bool(self.priority or self.partition_mb or self.credit_mb or self.overlap_forward)
 
     def describe(self) -> str:
         """One line with every field, for logs."""
@@ -66,4 +111,17 @@ def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(
             f"Strategy.{name} must be True or False, got {value!r} ({type(value).__name__})"
+        )
+
+
+def _check_optional_positive(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"Strategy.{name} must be a number or None, got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"Strategy.{name} must be None or finite and greater than 0, got {value!r}"
         )

@@ -11,17 +11,19 @@ from commsched.buckets import Bucket
 class _WorkHandle:
     """A torch.distributed ``Work`` whose failure or timeout becomes a clear error."""
 
-    __slots__ = ("_work", "_bucket")
+    __slots__ = ("_work", "_bucket", "_start", "_end")
 
-    def __init__(self, work: dist.Work, bucket: Bucket):
+    def __init__(self, work: dist.Work, bucket: Bucket, start: int, end: int):
         self._work = work
         self._bucket = bucket  # keeps the buffer alive while the work runs
+        self._start, self._end = start, end
 
     def wait(self, timeout_s: float) -> None:
         bucket = self._bucket
         wait_or_raise(
             self._work, timeout_s,
-            f"the all-reduce of gradient bucket {bucket.index} ({bucket.nbytes} bytes)",
+            f"the all-reduce of gradient bucket {bucket.index} (elements {self._start}:{self._end} "
+            f"of {bucket.flat.numel()}, {bucket.nbytes} bytes in all)",
         )
 
     def is_completed(self) -> bool:
@@ -36,8 +38,12 @@ class AllReduceBackend(Backend):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
-    def launch(self, bucket: Bucket) -> Handle:
+    def launch(self, bucket: Bucket, start: int = 0, end: int | None = None) -> Handle:
         if self.world_size == 1:
-            return CompletedHandle()
-        work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-        return _WorkHandle(work, bucket)
+            return _COMPLETED
+        end = bucket.flat.numel() if end is None else end
+        work = dist.all_reduce(bucket.flat[start:end], group=self.process_group, async_op=True)
+        return _WorkHandle(work, bucket, start, end)
+
+
+_COMPLETED = CompletedHandle()

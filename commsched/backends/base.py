@@ -54,5 +54,5 @@ class Backend(abc.ABC):
     world_size: int
 
     @abc.abstractmethod
-    def launch(self, bucket: Bucket) -> Handle:
-        """Start summing ``bucket.flat`` over all ranks; return at once."""
+    def launch(self, bucket: Bucket, start: int = 0, end: int | None = None) -> Handle:
+        """Start summing ``bucket.flat[start:end]`` over all ranks, in place; return at once."""

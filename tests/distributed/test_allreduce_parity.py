@@ -70,6 +70,7 @@ def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=Tr
 
 
 def assert_same_parameters(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol=1e-4, atol=1e-5):
+    actual.state_dict()  # waits for updates still pending under forward overlap
     for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"parameter '{name}': {m}")
         assert (a.grad is None) == (e.grad is None), (
@@ -78,6 +79,7 @@ def assert_same_parameters(actual: torch.nn.Module, expected: torch.nn.Module, *
 
 
 def assert_equal_on_all_ranks(model: torch.nn.Module) -> None:
+    model.state_dict()  # waits for updates still pending under forward overlap
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(gathered, tensor.detach().contiguous())
@@ -178,6 +180,7 @@ def case_matches_ddp(rank, world_size, optimizer_name, model_cls):
             loss_fn(m).backward()
             o.step()
             o.zero_grad()
+    optimizer.synchronize()  # updates may still be pending under forward overlap
     for (name, a), (_, e) in zip(model.named_parameters(), ddp_model.module.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter '{name}': {m}")
     for (name, a), (_, e) in zip(model.named_buffers(), ddp_model.module.named_buffers(), strict=True):

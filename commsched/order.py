@@ -1,0 +1,99 @@
+"""What the first forward pass reveals: module order, and parameters used early.
+
+Priority needs the *forward execution order* (registration order is wrong for
+many models: a parameter registered on a container, a head defined before its
+body). Forward overlap needs to know which parameters are used before their
+owning module runs (``F.linear(x, self.head.weight)`` in a parent's forward):
+such a parameter is not protected by its owner's gate, so its bucket is
+waited for at the very start of the forward pass instead.
+
+Both are recorded once, during the first forward pass that records gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+
+class _ParameterUseMode(TorchFunctionMode):
+    """Notes parameters passed to a torch function before any owner module ran."""
+
+    def __init__(self, recorder: ForwardRecorder):
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        recorder = self._recorder
+        for leaf in tree_leaves((args, kwargs or {})):
+            if isinstance(leaf, torch.nn.Parameter):
+                recorder.note_use(leaf)
+        return func(*args, **(kwargs or {}))
+
+
+class ForwardRecorder:
+    """Attach before the first forward pass; `finish()` after it."""
+
+    def __init__(self, root: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
+        self._slot_of = {id(p): slot for slot, p in enumerate(params)}
+        self._owners: dict[int, list[torch.nn.Module]] = {}
+        for module in root.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) in self._slot_of:
+                    self._owners.setdefault(id(param), []).append(module)
+        self._entered: set[int] = set()
+        self.module_order: list[torch.nn.Module] = []
+        self.used_before_owner: set[int] = set()
+        # Attached from inside the root's own pre-hook, so the root's recording
+        # hook would only run from the next call on: enter the root by hand.
+        self._on_module_forward(root, ())
+        self._handles = [m.register_forward_pre_hook(self._on_module_forward) for m in root.modules()]
+        self._mode = _ParameterUseMode(self)
+        self._mode.__enter__()
+
+    def _on_module_forward(self, module: torch.nn.Module, args: object) -> None:
+        if id(module) not in self._entered:
+            self._entered.add(id(module))
+            self.module_order.append(module)
+
+    def note_use(self, param: torch.nn.Parameter) -> None:
+        slot = self._slot_of.get(id(param))
+        if slot is None or slot in self.used_before_owner:
+            return
+        if not any(id(owner) in self._entered for owner in self._owners.get(id(param), ())):
+            self.used_before_owner.add(slot)
+
+    def finish(self) -> None:
+        self._mode.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def parameter_order(self, params: Sequence[torch.nn.Parameter]) -> list[int]:
+        """Slots in the order of their owner module's first forward call.
+
+        Parameters whose modules never ran follow, in registration order.
+        """
+        order: list[int] = []
+        placed: set[int] = set()
+        for module in self.module_order:
+            for param in module._parameters.values():
+                slot = None if param is None else self._slot_of.get(id(param))
+                if slot is not None and slot not in placed:
+                    placed.add(slot)
+                    order.append(slot)
+        order.extend(slot for slot in range(len(params)) if slot not in placed)
+        return order
+
+
+def agree_on_order(order: list[int], group: dist.ProcessGroup) -> list[int]:
+    """Rank 0's order on every rank (ranks may see different control flow)."""
+    if dist.get_world_size(group) == 1:
+        return order
+    tensor = torch.tensor(order, dtype=torch.int64)
+    dist.broadcast(tensor, group=group, group_src=0)
+    return tensor.tolist()

@@ -1,0 +1,202 @@
+"""Which partition goes on the wire when: partitions, the agreed order, credit.
+
+Pure logic, no process group: testable with a recording fake launcher.
+
+[Note: the agreed order] Collectives are matched by issue order, so every rank
+must issue partitions in the same sequence whatever its timing. A local
+priority queue would decide by timing; instead all ranks follow one *plan*, a
+fixed sequence of partition ids. Each rank issues the next partition of the
+plan as soon as it is ready locally and fits the credit window, and never skips
+ahead. The plan is computed by rank 0 by simulating priority scheduling under
+credit on its own measured timeline (when each bucket became ready, how fast
+the link is), and published once, so the per-partition cost is nothing but
+the issue itself.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A contiguous slice ``[start, end)`` of one bucket's flat buffer."""
+
+    pid: int
+    bucket: int
+    start: int
+    end: int
+    nbytes: int
+    priority: int
+    """Lower is more urgent: the forward position of the bucket's first parameter."""
+
+
+def make_partitions(
+    bucket_numels: Sequence[int],
+    element_sizes: Sequence[int],
+    bucket_priorities: Sequence[int],
+    partition_bytes: int | None,
+) -> list[Partition]:
+    """Cut every bucket into slices of at most ``partition_bytes`` (whole if None).
+
+    Slices are as equal as possible, so no tiny tail partition travels alone.
+    """
+    partitions: list[Partition] = []
+    for bucket, (numel, size, priority) in enumerate(
+        zip(bucket_numels, element_sizes, bucket_priorities, strict=True)
+    ):
+        pieces = 1 if partition_bytes is None else max(1, -(-numel * size // partition_bytes))
+        pieces = min(pieces, max(numel, 1))
+        for piece in range(pieces):
+            start, end = numel * piece // pieces, numel * (piece + 1) // pieces
+            partitions.append(Partition(len(partitions), bucket, start, end, (end - start) * size, priority))
+    return partitions
+
+
+def fifo_plan(partitions: Sequence[Partition]) -> list[int]:
+    """Buckets in the order they become ready, partitions in order: torch DDP's order."""
+    return [p.pid for p in sorted(partitions, key=lambda p: (p.bucket, p.start))]
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """How long one all-reduce of ``n`` bytes takes: ``latency_s + n / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def duration_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class SimulatedSchedule:
+    order: list[int]
+    """Partition ids in issue order."""
+    finish_s: dict[int, float]
+    """When each partition's reduction completes, relative to the first ready bucket."""
+
+
+def simulate_schedule(
+    partitions: Sequence[Partition],
+    bucket_ready_s: Sequence[float],
+    link: LinkModel,
+    credit_bytes: int | None,
+    by_priority: bool,
+) -> SimulatedSchedule:
+    """Replay one backward pass: buckets become ready at ``bucket_ready_s``, the link
+    reduces one partition at a time, and whenever credit allows the most urgent
+    ready partition (or the oldest, without priority) is issued.
+
+    After the last bucket is ready nothing more can overtake, so the window no
+    longer limits what is issued (the executor does the same).
+    """
+    last_ready = max(bucket_ready_s) if len(bucket_ready_s) else 0.0
+
+    def rank(p: Partition) -> tuple:
+        return (p.priority, p.bucket, p.start) if by_priority else (p.bucket, p.start)
+
+    arrivals = sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))
+    ready: list[tuple] = []
+    order: list[int] = []
+    finish: dict[int, float] = {}
+    in_flight: deque[tuple[float, int]] = deque()  # (finish time, bytes)
+    in_flight_bytes, link_free_at, now, next_arrival = 0, 0.0, 0.0, 0
+
+    while len(order) < len(partitions):
+        while next_arrival < len(arrivals) and bucket_ready_s[arrivals[next_arrival].bucket] <= now:
+            p = arrivals[next_arrival]
+            heapq.heappush(ready, (rank(p), p.pid, p))
+            next_arrival += 1
+        while in_flight and in_flight[0][0] <= now:
+            in_flight_bytes -= in_flight.popleft()[1]
+        issued = False
+        while ready:
+            p = ready[0][2]
+            window_open = (
+                credit_bytes is None or now >= last_ready or not in_flight
+                or in_flight_bytes + p.nbytes <= credit_bytes
+            )
+            if not window_open:
+                break
+            heapq.heappop(ready)
+            start = max(now, link_free_at)
+            link_free_at = start + link.duration_s(p.nbytes)
+            finish[p.pid] = link_free_at
+            in_flight.append((link_free_at, p.nbytes))
+            in_flight_bytes += p.nbytes
+            order.append(p.pid)
+            issued = True
+        if issued:
+            continue
+        upcoming = []
+        if next_arrival < len(arrivals):
+            upcoming.append(bucket_ready_s[arrivals[next_arrival].bucket])
+        if in_flight:
+            upcoming.append(in_flight[0][0])
+        now = max(now, min(upcoming))
+    return SimulatedSchedule(order, finish)
+
+
+class PlanExecutor:
+    """Issues partitions in plan order, each once ready locally and within credit.
+
+    Driven by events (a bucket became ready; the backward pass ended); completed
+    partitions are retired from the front of the in-flight queue when an event
+    arrives, never by spinning.
+    """
+
+    def __init__(self, partitions: Sequence[Partition], plan: Sequence[int], credit_bytes: int | None):
+        if sorted(plan) != list(range(len(partitions))):
+            raise ValueError("a plan must name every partition exactly once")
+        self.partitions = list(partitions)
+        self.plan = list(plan)
+        self.credit_bytes = credit_bytes
+        self._bucket_ready: list[bool] = []
+        self._next = 0
+        self._in_flight: deque[tuple[int, object]] = deque()
+        self._in_flight_bytes = 0
+        self.reset(num_buckets=1 + max((p.bucket for p in self.partitions), default=-1))
+
+    def reset(self, num_buckets: int | None = None) -> None:
+        """Start a new iteration: nothing ready, nothing issued."""
+        self._bucket_ready = [False] * (num_buckets if num_buckets is not None else len(self._bucket_ready))
+        self._next = 0
+        self._in_flight.clear()
+        self._in_flight_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.plan)
+
+    def mark_ready(self, bucket: int) -> None:
+        self._bucket_ready[bucket] = True
+
+    def pump(
+        self,
+        launch: Callable[[Partition], object],
+        is_completed: Callable[[object], bool],
+        ignore_credit: bool = False,
+    ) -> None:
+        """Issue every partition the plan, readiness and the window allow now."""
+        in_flight = self._in_flight
+        while in_flight and is_completed(in_flight[0][1]):
+            pid, _ = in_flight.popleft()
+            self._in_flight_bytes -= self.partitions[pid].nbytes
+        plan, partitions, credit = self.plan, self.partitions, self.credit_bytes
+        while self._next < len(plan):
+            p = partitions[plan[self._next]]
+            if not self._bucket_ready[p.bucket]:
+                return
+            if (
+                not ignore_credit and credit is not None and in_flight
+                and self._in_flight_bytes + p.nbytes > credit
+            ):
+                return
+            handle = launch(p)
+            in_flight.append((p.pid, handle))
+            self._in_flight_bytes += p.nbytes
+            self._next += 1
