@@ -10,7 +10,7 @@ from commsched.strategy import Strategy
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from commsched.compare import ComparisonConfig
+    from commsched.compare import COMMSCHED, DDP, ComparisonConfig
     from commsched.demo import render_report, run_demo
 
     config = ComparisonConfig(
@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         rounds=args.rounds,
         warmup=args.warmup,
-        strategy=args.strategy,
+        systems=((DDP, None), (COMMSCHED, args.strategy)),
         show_progress=not args.no_progress,
     )
     results = run_demo(config, world_size=args.world_size)

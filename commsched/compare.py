@@ -23,6 +23,12 @@ from commsched.strategy import Strategy
 
 DDP = "torch DDP"
 COMMSCHED = "commsched"
+LOCAL = "local"
+ALLREDUCE_ONLY = "all-reduce of all gradients"
+UNSCHEDULED = Strategy(
+    priority=False, partition_mb=None, credit_mb=None, overlap_forward=False, fuse_optimizer=False
+)
+"""commsched with every scheduling feature off: the DDP-like core."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,11 @@ class ComparisonConfig:
     warmup: int = 3
     """Iterations per system before the first round, not measured."""
     learning_rate: float = 0.05
-    strategy: Strategy = field(default_factory=Strategy)
+    systems: tuple[tuple[str, Strategy | str | None], ...] = ((DDP, None), (COMMSCHED, Strategy()))
+    """(name, strategy) per system; None means torch DDP, `LOCAL` training with no
+    communication at all (every rank computing: the compute part of the bound)."""
+    measure_allreduce: bool = False
+    """Also time one all-reduce of all gradients (the communication part of the bound)."""
     ddp_bucket_cap_mb: float = 25.0
     show_progress: bool = True
 
@@ -50,6 +60,11 @@ class SystemResult:
     @property
     def median_s(self) -> float:
         return statistics.median(self.iteration_times_s)
+
+    @property
+    def mean_s(self) -> float:
+        """Total time over iterations: the inverse of throughput."""
+        return statistics.fmean(self.iteration_times_s)
 
 
 class _System:
@@ -72,6 +87,14 @@ class _System:
         self.last_loss = loss.detach()
         return elapsed
 
+    def settle(self) -> float:
+        """Finish anything still in flight; return how long that took."""
+        start = time.perf_counter()
+        synchronize = getattr(self.optimizer, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
+        return time.perf_counter() - start
+
 
 def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dict[str, SystemResult] | None:
     """Run the comparison; rank 0 returns the results, other ranks None."""
@@ -82,13 +105,18 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
     def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
 
-    ddp_model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=config.ddp_bucket_cap_mb)
-    ours_model = copy.deepcopy(base)
-    ours_model, ours_optimizer = commsched.prepare(ours_model, sgd(ours_model), config.strategy)
-    systems = [
-        _System(DDP, ddp_model, sgd(ddp_model), config, rank, world_size),
-        _System(COMMSCHED, ours_model, ours_optimizer, config, rank, world_size),
-    ]
+    systems = []
+    for name, strategy in config.systems:
+        if strategy == LOCAL:
+            model = copy.deepcopy(base)
+            optimizer = sgd(model)
+        elif strategy is None:
+            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=config.ddp_bucket_cap_mb)
+            optimizer = sgd(model)
+        else:
+            model = copy.deepcopy(base)
+            model, optimizer = commsched.prepare(model, sgd(model), strategy)
+        systems.append(_System(name, model, optimizer, config, rank, world_size))
 
     for system in systems:
         for _ in range(config.warmup):
@@ -103,9 +131,12 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
                 for _ in range(config.iterations):
                     system.result.iteration_times_s.append(system.step())
                     advance(system.name)
+                # Work a system left in flight is charged to it, not to the next one.
+                system.result.iteration_times_s[-1] += system.settle()
 
     held_out_x, held_out_y = next(workload.batches(256, seed=12345))
     for system in systems:
+        system.settle()
         loss = system.last_loss.clone()
         dist.all_reduce(loss)
         system.result.final_loss = float(loss) / world_size
@@ -113,7 +144,23 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
         with torch.no_grad():
             system.result.eval_loss = float(F.cross_entropy(system.model(held_out_x), held_out_y))
         system.model.train()
-    return {s.name: s.result for s in systems} if rank == 0 else None
+    results = {s.name: s.result for s in systems}
+    if config.measure_allreduce:
+        results[ALLREDUCE_ONLY] = _time_allreduce(base, repeats=max(3, config.rounds))
+    return results if rank == 0 else None
+
+
+def _time_allreduce(model: torch.nn.Module, repeats: int) -> SystemResult:
+    """One all-reduce of a buffer as large as all gradients, timed ``repeats`` times."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    buffer = torch.zeros(numel)
+    result = SystemResult()
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        result.iteration_times_s.append(time.perf_counter() - start)
+    return result
 
 
 class _progress:

@@ -70,17 +70,25 @@ class ResNetLike(nn.Module):
 
 
 class VGGLike(nn.Module):
-    """Small convolutions, then large fully connected layers (~13 MB of gradients)."""
+    """Three stages of two 3x3 convolutions, then large fully connected layers.
 
-    def __init__(self, classes: int = 10, hidden: int = 1024):
+    About 13.7 MB of gradients, three quarters in the two first linear layers,
+    which the forward pass needs last; at batch 64 its compute on one core is
+    about as long as one all-reduce of its gradients at 250 Mbit/s.
+    """
+
+    def __init__(self, classes: int = 10, widths: tuple[int, ...] = (48, 96, 192), hidden: int = 768):
         super().__init__()
-
-        def stage(cin: int, cout: int) -> list[nn.Module]:
-            return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
-
-        self.features = nn.Sequential(*stage(3, 32), *stage(32, 64), *stage(64, 128), nn.Flatten())
+        layers: list[nn.Module] = []
+        channels = 3
+        for width in widths:
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
+                       nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            channels = width
+        self.features = nn.Sequential(*layers, nn.Flatten())
+        side = 32 // 2 ** len(widths)
         self.classifier = nn.Sequential(
-            nn.Linear(128 * 4 * 4, hidden), nn.ReLU(),
+            nn.Linear(channels * side * side, hidden), nn.ReLU(),
             nn.Linear(hidden, hidden), nn.ReLU(),
             nn.Linear(hidden, classes),
         )

@@ -14,50 +14,71 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.scheduler import LinkModel, Partition, simulate_schedule
+from commsched.scheduler import LinkModel, Partition, robust_plan, simulate_schedule
+
+LINK_SAFETY_FACTOR = 0.8
+"""Plan for a link this much slower than measured: a partition planned too late costs
+a little idle link time, one planned too early delays the next forward pass."""
 
 
 class ReadyTimeProfile:
-    """When each bucket became ready, relative to the first gradient, per iteration."""
+    """One rank's timeline of the backward passes run without overlap.
+
+    Per iteration: when each bucket became ready (relative to the first
+    gradient), and how long the link took from the first partition issued to
+    the last one completed. The latter, under the real load of training
+    (computation competing with communication for the same cores), is a
+    better, and more cautious, estimate of the link than an idle calibration.
+    """
 
     def __init__(self, num_buckets: int):
         self._num_buckets = num_buckets
-        self._iterations: list[list[float]] = []
+        self._ready: list[list[float]] = []
+        self._transfers: list[tuple[int, float]] = []
         self._current: list[float] = []
-        self._start = 0.0
+        self._start = self._first_launch = 0.0
+        self._bytes = 0
 
     def begin(self) -> None:
         self._start = time.perf_counter()
         self._current = [0.0] * self._num_buckets
+        self._first_launch, self._bytes = 0.0, 0
 
     def bucket_ready(self, bucket: int) -> None:
         self._current[bucket] = time.perf_counter() - self._start
 
+    def launched(self, nbytes: int) -> None:
+        if not self._bytes:
+            self._first_launch = time.perf_counter()
+        self._bytes += nbytes
+
     def end(self) -> None:
-        self._iterations.append(self._current)
+        """Called once every reduction of the iteration has completed."""
+        self._ready.append(self._current)
+        if self._bytes:
+            self._transfers.append((self._bytes, time.perf_counter() - self._first_launch))
 
-    def median(self) -> list[float]:
-        if not self._iterations:
+    def median_ready_s(self) -> list[float]:
+        if not self._ready:
             return [0.0] * self._num_buckets
-        return [statistics.median(column) for column in zip(*self._iterations)]
+        return [statistics.median(column) for column in zip(*self._ready)]
+
+    def loaded_bytes_per_s(self) -> float | None:
+        """Bytes over first-issue-to-last-completion time, median over iterations."""
+        if not self._transfers:
+            return None
+        return statistics.median(nbytes / max(seconds, 1e-9) for nbytes, seconds in self._transfers)
 
 
-def measure_link(group: dist.ProcessGroup, nbytes: int, repeats: int = 3) -> LinkModel:
-    """Time all-reduces of one element and of ``nbytes`` (collective: every rank calls it)."""
-
-    def timed(numel: int) -> float:
-        buffer = torch.zeros(numel)
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dist.all_reduce(buffer, group=group)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    latency = timed(1)
-    numel = max(nbytes // 4, 1)
-    transfer = max(timed(numel) - latency, 1e-9)
-    return LinkModel(latency_s=latency, bytes_per_s=numel * 4 / transfer)
+def measure_latency(group: dist.ProcessGroup, repeats: int = 5) -> float:
+    """Median time of a one-element all-reduce (collective: every rank calls it)."""
+    buffer = torch.zeros(1)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def plan_on_rank0(
@@ -66,11 +87,19 @@ def plan_on_rank0(
     credit_bytes: int | None,
     group: dist.ProcessGroup,
 ) -> list[int]:
-    """Calibrate the link, simulate on rank 0's timeline, broadcast rank 0's plan."""
-    largest = max((p.nbytes for p in partitions), default=4)
-    link = measure_link(group, nbytes=max(largest, 256 * 1024))
-    order = simulate_schedule(partitions, profile.median(), link, credit_bytes, by_priority=True).order
-    plan = torch.tensor(order, dtype=torch.int64)
+    """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan.
+
+    Collective: every rank calls it at the same point. The link is modelled by
+    the measured latency and the bandwidth seen while training; if the link is
+    faster than that, non-urgent partitions merely go a little later, never
+    ahead of urgent ones.
+    """
+    latency = measure_latency(group)
+    bytes_per_s = (profile.loaded_bytes_per_s() or 1e12) * LINK_SAFETY_FACTOR
+    link = LinkModel(latency_s=latency, bytes_per_s=bytes_per_s)
+    ready = profile.median_ready_s()
+    schedule = simulate_schedule(partitions, ready, link, credit_bytes, by_priority=True)
+    plan = torch.tensor(robust_plan(partitions, schedule, max(ready, default=0.0)), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
         dist.broadcast(plan, group=group, group_src=0)
     return plan.tolist()

@@ -56,10 +56,10 @@ from commsched.updates import BucketUpdater, unsupported_reason
 
 logger = logging.getLogger("commsched")
 
-WARMUP_ITERATIONS = 2
-"""Iterations run without forward overlap while watching for gradient changes."""
-PLAN_ITERATION = 5
-"""The backward pass at whose start rank 0 plans the order from the ones before it."""
+WARMUP_ITERATIONS = 3
+"""Iterations run without forward overlap while watching for gradient changes. All
+but the first (slow) one are profiled, and the plan is made when they end."""
+PLAN_ITERATION = WARMUP_ITERATIONS
 
 
 class Phase(enum.Enum):
@@ -115,6 +115,7 @@ class GradientReducer:
         self._root_gate_buckets: list[int] = []
         self._recorder: ForwardRecorder | None = None
         self._profile: ReadyTimeProfile | None = None
+        self._profiling = False
 
         # Per backward pass / iteration.
         self._sync_enabled = True
@@ -349,7 +350,8 @@ class GradientReducer:
         self._user_may_touch_grads = False
         self._grads_released = False
         self._overlap_now = self.overlap_enabled and self._iteration >= WARMUP_ITERATIONS
-        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
+        self._profiling = self._profile is not None and 0 < self._iteration < PLAN_ITERATION
+        if self._profiling:
             self._profile.begin()
 
     def _bucket_ready(self, bucket_index: int) -> None:
@@ -359,12 +361,14 @@ class GradientReducer:
         if bucket_index == self._flags_bucket:
             bucket.tail.copy_(torch.tensor(self._has_grad, dtype=bucket.dtype))
         self._launch_version[bucket_index] = bucket.flat._version
-        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
+        if self._profiling:
             self._profile.bucket_ready(bucket_index)
         self._executor.mark_ready(bucket_index)
         self._executor.pump(self._launch_partition, _is_completed)
 
     def _launch_partition(self, partition: Partition) -> Handle:
+        if self._profiling:
+            self._profile.launched(partition.nbytes)
         handle = self.backend.launch(self.buckets[partition.bucket], partition.start, partition.end)
         self._handles[partition.bucket].append(handle)
         return handle
@@ -379,11 +383,11 @@ class GradientReducer:
         self._bucket_ready(self._flags_bucket)
         self._executor.pump(self._launch_partition, _is_completed, ignore_credit=True)
         assert self._executor.done, "every partition must be issued by the end of backward"
-        if self._profile is not None and 0 < self._iteration < PLAN_ITERATION:
-            self._profile.end()
         if not self._overlap_now:
             for bucket in range(len(self.buckets)):
                 self._complete_bucket(bucket)
+        if self._profiling:
+            self._profile.end()
 
     def _resolve_unready_parameters(self) -> None:
         for slot, ready in enumerate(self._ready):

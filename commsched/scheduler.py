@@ -141,6 +141,22 @@ def simulate_schedule(
     return SimulatedSchedule(order, finish)
 
 
+def robust_plan(partitions: Sequence[Partition], schedule: SimulatedSchedule, last_ready_s: float) -> list[int]:
+    """The simulated order, hardened against a slower link than modelled.
+
+    Only partitions the simulation finishes before the last bucket is ready
+    keep their simulated place; all others follow in priority order. The ones
+    kept fill the link during the backward pass; the rest are issued when the
+    backward pass ends, most urgent first. Had the simulated order been kept
+    whole, a late, slow partition planned ahead of the most urgent bucket would
+    hold up the next forward pass.
+    """
+    early = [pid for pid in schedule.order if schedule.finish_s[pid] <= last_ready_s]
+    kept = set(early)
+    late = sorted((p for p in partitions if p.pid not in kept), key=lambda p: (p.priority, p.bucket, p.start))
+    return early + [p.pid for p in late]
+
+
 class PlanExecutor:
     """Issues partitions in plan order, each once ready locally and within credit.
 

@@ -36,12 +36,12 @@ class Strategy:
     first iteration (nearest the input most urgent), instead of in the order
     gradients become ready."""
 
-    partition_mb: float | None = 4.0
+    partition_mb: float | None = 1.0
     """Largest unit on the wire, in MiB: buckets are cut into zero-copy slices of
     at most this size so an urgent partition can overtake a large bucket between
     two of its slices. ``None`` sends each bucket whole."""
 
-    credit_mb: float | None = 8.0
+    credit_mb: float | None = 4.0
     """Most bytes in flight during the backward pass, in MiB: a partition is
     issued only if it fits (one larger than the window goes alone), which keeps
     the queue short enough for urgent partitions to overtake. ``None`` issues
@@ -75,8 +75,16 @@ class Strategy:
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
-        """Bucket size limits in the form `compute_bucket_assignment_by_size` takes."""
-        return [int(self.first_bucket_mb * MIB), int(self.bucket_cap_mb * MIB)]
+        """Bucket size limits in the form `compute_bucket_assignment_by_size` takes.
+
+        With partitions, a bucket is also the unit of update and of gating, so it
+        is capped at the partition size: small tensors still travel together,
+        large ones get a bucket of their own and are cut, and an urgent layer is
+        never held back by a large, late one sharing its bucket.
+        """
+        cap_mb = self.bucket_cap_mb if self.partition_mb is None else min(self.bucket_cap_mb, self.partition_mb)
+        first_mb = min(self.first_bucket_mb, cap_mb)
+        return [int(first_mb * MIB), int(cap_mb * MIB)]
 
     @property
     def partition_bytes(self) -> int | None:

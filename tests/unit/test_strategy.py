@@ -13,7 +13,8 @@ def test_defaults_match_ddp():
     assert strategy.bucket_cap_mb == 25.0
     assert strategy.first_bucket_mb == 1.0
     assert strategy.broadcast_buffers is True
-    assert strategy.bucket_size_limits_bytes == [1 * MIB, 25 * MIB]
+    assert Strategy(partition_mb=None).bucket_size_limits_bytes == [1 * MIB, 25 * MIB]
+    assert strategy.bucket_size_limits_bytes == [1 * MIB, int(strategy.partition_mb * MIB)]
 
 
 @pytest.mark.parametrize("field", ["bucket_cap_mb", "first_bucket_mb", "timeout_s"])

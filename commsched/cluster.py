@@ -1,0 +1,196 @@
+"""An emulated cluster on one machine: hosts as network namespaces with shaped links.
+
+Each host is a network namespace with one interface, ``eth0``, cabled by a veth
+pair to a bridge that lives in a namespace of its own (the switch), so nothing
+outside the namespaces is touched. Both directions of every host's link are
+shaped with ``tc`` (``tbf`` for the rate; ``netem`` for delay and loss, where
+the kernel has it): the host's egress on ``eth0`` and the switch's egress
+towards the host. Needs root and iproute2.
+
+    with EmulatedCluster(2, LinkSpec(rate_mbit=250)) as cluster:
+        procs = [cluster.popen(i, [sys.executable, "train.py"], cluster.torch_env(i)) for i in range(2)]
+
+Tear-down always runs: on leaving the ``with`` block, on an exception, on
+Ctrl-C, and on SIGTERM; ``remove_stale()`` clears leftovers of a killed run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PREFIX = "csx"
+SUBNET = "10.213.7"
+"""Addresses exist only inside the namespaces this module creates."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot build namespaces (no root, or no iproute2)."""
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One host's link to the switch, in each direction."""
+
+    rate_mbit: float | None = None
+    """Bandwidth in Mbit/s; None leaves it unshaped."""
+    delay_ms: float = 0.0
+    """One-way delay added in each direction."""
+    loss_pct: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit is not None and not self.rate_mbit > 0:
+            raise ValueError(f"LinkSpec.rate_mbit must be > 0 or None, got {self.rate_mbit!r}")
+        if self.delay_ms < 0 or not 0 <= self.loss_pct < 100:
+            raise ValueError(f"LinkSpec needs delay_ms >= 0 and 0 <= loss_pct < 100, got {self}")
+
+    @property
+    def shaped(self) -> bool:
+        return self.rate_mbit is not None or bool(self.delay_ms) or bool(self.loss_pct)
+
+    def qdisc_args(self) -> list[str]:
+        """The ``tc qdisc add ... root`` arguments: netem when delay or loss is asked, else tbf."""
+        if self.delay_ms or self.loss_pct:
+            args = ["netem", "limit", "100000"]
+            if self.delay_ms:
+                args += ["delay", f"{self.delay_ms}ms"]
+            if self.loss_pct:
+                args += ["loss", f"{self.loss_pct}%"]
+            if self.rate_mbit is not None:
+                args += ["rate", f"{self.rate_mbit}mbit"]
+            return args
+        bytes_per_s = self.rate_mbit * 1e6 / 8
+        burst = max(64 * 1024, int(bytes_per_s / 250))
+        return ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+
+
+def unavailable_reason() -> str | None:
+    """Why an emulated cluster cannot be built here, or None if it can."""
+    if os.geteuid() != 0:
+        return "building network namespaces needs root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"iproute2 is missing ({', '.join(missing)} not found); apt-get install iproute2"
+    return None
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+def remove_stale(prefix: str = PREFIX) -> list[str]:
+    """Delete namespaces left by a run that was killed before it could clean up."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return names
+
+
+class EmulatedCluster:
+    """``num_hosts`` namespaces on one bridge; use as a context manager."""
+
+    def __init__(self, num_hosts: int, link: LinkSpec = LinkSpec(), tag: str | None = None):
+        if num_hosts < 1 or num_hosts > 200:
+            raise ValueError(f"num_hosts must be between 1 and 200, got {num_hosts}")
+        self.num_hosts = num_hosts
+        self.link = link
+        self.tag = tag or str(os.getpid() % 100000)
+        self.switch = f"{PREFIX}{self.tag}sw"
+        self.hosts = [f"{PREFIX}{self.tag}h{i}" for i in range(num_hosts)]
+        self._created: list[str] = []
+        self._previous_sigterm = None
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    # ------------------------------------------------------------- lifecycle
+    def __enter__(self) -> EmulatedCluster:
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        self._add_namespace(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            self._add_namespace(host)
+            port = f"p{i}"
+            _run("ip", "-n", host, "link", "add", "eth0", "type", "veth", "peer", "name", port,
+                 "netns", self.switch)
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
+            _run("ip", "-n", host, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", host, "link", "set", "eth0", "up")
+            _run("ip", "-n", host, "link", "set", "lo", "up")
+        self.set_link(self.link)
+
+    def _add_namespace(self, name: str) -> None:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        _run("ip", "netns", "add", name)
+        self._created.append(name)
+
+    def close(self) -> None:
+        """Delete every namespace (their interfaces go with them). Idempotent."""
+        while self._created:
+            subprocess.run(["ip", "netns", "del", self._created.pop()], capture_output=True)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    # ---------------------------------------------------------------- shaping
+    def set_link(self, link: LinkSpec) -> None:
+        """Reshape every host's link, both directions."""
+        self.link = link
+        for i, host in enumerate(self.hosts):
+            for namespace, device in ((host, "eth0"), (self.switch, f"p{i}")):
+                subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
+                               capture_output=True)
+                if not link.shaped:
+                    continue
+                done = subprocess.run(
+                    ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root",
+                     *link.qdisc_args()], capture_output=True, text=True)
+                if done.returncode != 0 and "unknown" in done.stderr and (link.delay_ms or link.loss_pct):
+                    raise ClusterUnavailable(
+                        "this kernel has no netem qdisc, so delay and loss cannot be emulated; "
+                        "rate shaping (tbf) still works: use LinkSpec(rate_mbit=...) alone"
+                    )
+                if done.returncode != 0:
+                    raise RuntimeError(f"tc qdisc add on {namespace}/{device} failed: {done.stderr.strip()}")
+
+    # ---------------------------------------------------------------- running
+    def popen(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              **kwargs: object) -> subprocess.Popen:
+        """Start ``argv`` inside host ``host``'s namespace."""
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host], *argv],
+                                env={**os.environ, **(env or {})}, **kwargs)
+
+    def torch_env(self, host: int, port: int = 29500) -> dict[str, str]:
+        """torch.distributed's env:// variables for one process per host, rank = host."""
+        return {
+            "MASTER_ADDR": self.address(0), "MASTER_PORT": str(port),
+            "RANK": str(host), "WORLD_SIZE": str(self.num_hosts),
+            "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": "eth0",
+        }
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
