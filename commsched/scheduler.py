@@ -48,8 +48,11 @@ def make_partitions(
     for bucket, (numel, size, priority) in enumerate(
         zip(bucket_numels, element_sizes, bucket_priorities, strict=True)
     ):
-        pieces = 1 if partition_bytes is None else max(1, -(-numel * size // partition_bytes))
-        pieces = min(pieces, max(numel, 1))
+        if partition_bytes is None:
+            pieces = 1
+        else:
+            most_elements = max(1, partition_bytes // size)
+            pieces = max(1, -(-numel // most_elements))
         for piece in range(pieces):
             start, end = numel * piece // pieces, numel * (piece + 1) // pieces
             partitions.append(Partition(len(partitions), bucket, start, end, (end - start) * size, priority))

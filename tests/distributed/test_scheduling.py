@@ -1,0 +1,368 @@
+"""Priority, partitions, credit and forward overlap keep single-process results."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.reducer import WARMUP_ITERATIONS
+from commsched.testing import run_subtests
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import (
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    batches,
+    rank_slice,
+    reference_step,
+    uses_aux,
+)
+
+pytestmark = pytest.mark.distributed
+
+ITERATIONS = WARMUP_ITERATIONS + 4  # several iterations with the plan and with overlap
+TINY_PARTITION_MB = 256 / 2**20     # cuts ParityNet's tensors into many partitions
+TINY_CREDIT_MB = 512 / 2**20
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def strategy_grid():
+    for priority, partition, credit, overlap in itertools.product((False, True), repeat=4):
+        name = f"priority={priority},partitions={partition},credit={credit},overlap={overlap}"
+        yield name, commsched.Strategy(
+            priority=priority,
+            partition_mb=TINY_PARTITION_MB if partition else None,
+            credit_mb=TINY_CREDIT_MB if credit else None,
+            overlap_forward=overlap,
+            bucket_cap_mb=0.004,
+            first_bucket_mb=0.001,
+        )
+
+
+def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITERATIONS, delays=None):
+    torch.manual_seed(0)
+    model = ParityNet()
+    reference = copy.deepcopy(model)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    for iteration, (x, y) in enumerate(batches(world_size, iterations)):
+        mine = rank_slice(rank)
+        if delays is not None:
+            delays(iteration)
+        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    return model
+
+
+def scheduling_grid(rank: int, world_size: int) -> None:
+    cases = {}
+    for (name, strategy), optimizer_name in itertools.product(strategy_grid(), OPTIMIZERS):
+        cases[f"{optimizer_name}/{name}"] = functools.partial(
+            train_and_compare, rank, world_size, optimizer_name, strategy
+        )
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_combination_matches_single_process(ranks, world_size):
+    ranks(scheduling_grid, world_size, timeout_s=400)
+
+
+def random_delays(rank: int, world_size: int) -> None:
+    """4 ranks, each with its own random compute delays in forward and backward:
+    issue timing differs everywhere, the agreed order must still hold."""
+    rng = random.Random(1000 + rank)
+    strategy = commsched.Strategy(
+        partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, bucket_cap_mb=0.004, first_bucket_mb=0.001
+    )
+    holder = {}
+
+    def delays(iteration):
+        model = holder.get("model")
+        if model is None:
+            return
+        holder["sleeps"] = {name: rng.random() < 0.3 for name in ("embed", "blocks", "head")}
+
+    def slow_forward(name):
+        def hook(module, args):
+            if holder.get("sleeps", {}).get(name):
+                time.sleep(rng.uniform(0, 0.004))
+        return hook
+
+    def slow_backward(name):
+        def hook(module, grad_input, grad_output):
+            if holder.get("sleeps", {}).get(name):
+                time.sleep(rng.uniform(0, 0.004))
+        return hook
+
+    original_prepare = commsched.prepare
+
+    def prepare_with_delays(model, optimizer, strategy):
+        for name in ("embed", "blocks", "head"):
+            getattr(model, name).register_forward_pre_hook(slow_forward(name))
+            getattr(model, name).register_full_backward_hook(slow_backward(name))
+        holder["model"] = model
+        return original_prepare(model, optimizer, strategy)
+
+    commsched.prepare = prepare_with_delays
+    try:
+        train_and_compare(rank, world_size, "adamw", strategy, iterations=120, delays=delays)
+    finally:
+        commsched.prepare = original_prepare
+
+
+def test_random_delays_on_four_ranks_no_hang_exact_results(ranks):
+    ranks(random_delays, 4, timeout_s=400)
+
+
+# ---------------------------------------------------------------- one spawn, many behaviours
+def prepared_pair(optimizer_factory, strategy=None, model_cls=ParityNet):
+    torch.manual_seed(0)
+    model = model_cls()
+    reference = copy.deepcopy(model)
+    model, optimizer = commsched.prepare(model, optimizer_factory(model.parameters()), strategy)
+    return model, optimizer, reference, optimizer_factory(reference.parameters())
+
+
+def run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer, iterations=ITERATIONS):
+    for iteration, (x, y) in enumerate(batches(world_size, iterations)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    assert model._commsched_reducer._overlap_now, "the run never reached forward overlap"
+
+
+def case_lr_scheduler(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"])
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (optimizer, reference_optimizer)]
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedulers[0].step()  # changes lr before the pending updates run: they must use the old one
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+        schedulers[1].step()
+    assert model._commsched_reducer._overlap_now
+    assert_same_parameters(model, reference)
+
+
+def case_checkpoint_moves_to_plain_torch_and_back(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["adamw"])
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    plain_model, plain_optimizer = copy.deepcopy(reference), OPTIMIZERS["adamw"](reference.parameters())
+    plain_model.load_state_dict(model.state_dict())
+    plain_optimizer = OPTIMIZERS["adamw"](plain_model.parameters())
+    plain_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    plain_state, reference_state = plain_optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
+    assert plain_state.keys() == reference_state.keys()
+    for index in reference_state:
+        torch.testing.assert_close(plain_state[index]["exp_avg"], reference_state[index]["exp_avg"], rtol=1e-4, atol=1e-6)
+    # and back: a fresh commsched run resumes from plain torch's checkpoint
+    resumed, resumed_optimizer, _, _ = prepared_pair(OPTIMIZERS["adamw"])
+    resumed.load_state_dict(plain_model.state_dict())
+    resumed_optimizer.load_state_dict(copy.deepcopy(plain_optimizer.state_dict()))
+    x, y = list(batches(world_size, ITERATIONS + 1))[-1]
+    for m, o in ((resumed, resumed_optimizer),):
+        F.mse_loss(m(x[rank_slice(rank)], use_aux=uses_aux(ITERATIONS, rank)), y[rank_slice(rank)]).backward()
+        o.step()
+        o.zero_grad()
+    reference_step(reference, reference_optimizer, x, y, ITERATIONS, world_size)
+    assert_same_parameters(resumed, reference)
+
+
+def case_gates_wait_only_for_their_own_module(rank, world_size):
+    one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], one_bucket_per_module)
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    gates = model._commsched_reducer._gate_buckets
+    assert not set(gates[id(model.embed)]) & set(gates[id(model.head)])
+    x, y = next(batches(world_size, 1))
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    head_before = model.head.weight.detach().clone()
+    embed_before = model.embed.weight.detach().clone()
+    optimizer.step()  # returns at once: nothing updated yet
+    assert torch.equal(model.head.weight, head_before) and torch.equal(model.embed.weight, embed_before)
+    model.embed(x[rank_slice(rank)])  # the embed module's gate releases its own update only
+    assert not torch.equal(model.embed.weight, embed_before)
+    assert torch.equal(model.head.weight, head_before)
+    optimizer.synchronize()
+    assert not torch.equal(model.head.weight, head_before)
+
+
+def case_eval_under_no_grad_waits_too(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["adam"])
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    x = torch.randn(5, 8)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5)
+    model.train()
+
+
+class UsesChildWeightEarly(nn.Module):
+    """The parent uses ``proj.weight`` functionally, before (and without) calling ``proj``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.body = nn.Linear(8, 4)
+
+    def forward(self, x, use_aux=True):
+        return self.body(torch.tanh(F.linear(x, self.proj.weight)))
+
+
+def case_parameter_used_before_its_module(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], model_cls=UsesChildWeightEarly)
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = sum(F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]) for r in range(world_size)) / world_size
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert model._commsched_reducer._overlap_now
+    assert_same_parameters(model, reference)
+
+
+def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
+    """AdamW with decay / no-decay groups, clip_grad_norm_ after backward, zero_grad(set_to_none=True),
+    snapshots through model.module when present: only the wrap differs from the DDP version."""
+    torch.manual_seed(0)
+    base = ParityNet()
+
+    def make_optimizer(model):
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+
+    def train(model, optimizer):
+        losses, generator = [], torch.Generator().manual_seed(5 + rank)
+        for _ in range(ITERATIONS + 2):
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        snapshot = getattr(model, "module", model).state_dict()
+        return losses, snapshot
+
+    ddp = DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    ddp_losses, ddp_snapshot = train(ddp, make_optimizer(ddp))
+    ours = copy.deepcopy(base)
+    ours, ours_optimizer = commsched.prepare(ours, make_optimizer(ours))
+    our_losses, our_snapshot = train(ours, ours_optimizer)
+    assert our_losses == pytest.approx(ddp_losses, rel=1e-4, abs=1e-6)
+    for key, value in ddp_snapshot.items():
+        torch.testing.assert_close(our_snapshot[key], value, rtol=1e-4, atol=1e-5)
+    reason = ours._commsched_reducer._overlap_off_reason
+    assert reason is not None and "clip_grad_norm_" in reason
+
+
+def case_gradient_change_during_overlap_is_an_error(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"])
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    x, y = next(batches(world_size, 1))
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    with pytest.raises(RuntimeError, match=r"modified between backward\(\) and step\(\) while their reductions"):
+        optimizer.step()
+    optimizer.synchronize()  # the documented way: settle, then touch
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    optimizer.step()
+    optimizer.synchronize()
+
+
+def case_unsupported_optimizer_still_trains(rank, world_size, caplog):
+    def rmsprop(params):
+        return torch.optim.RMSprop(params, lr=1e-2, momentum=0.5)
+
+    with caplog_at_warning() as records:
+        model, optimizer, reference, reference_optimizer = prepared_pair(rmsprop)
+    assert any("RMSprop has no per-bucket update" in r.getMessage() for r in records)
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    assert_same_parameters(model, reference)
+
+
+class caplog_at_warning:
+    """Collects commsched's log records (pytest's caplog does not reach spawned ranks)."""
+
+    def __enter__(self):
+        self.records = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append
+        logging.getLogger("commsched").addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        logging.getLogger("commsched").removeHandler(self.handler)
+
+
+def case_forward_order_sets_priority(rank, world_size):
+    """Registration order puts `head` first; the forward pass runs `embed` first."""
+
+    class Reordered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 4)
+            self.embed = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.embed(x)))
+
+    torch.manual_seed(0)
+    model = Reordered()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    reducer = model._commsched_reducer
+    flags = reducer.buckets[reducer._flags_bucket]
+    assert any(p is model.embed.weight for p in flags.params), "the forward-first layer must be most urgent"
+    most_urgent = min(reducer.partitions, key=lambda p: p.priority)
+    assert most_urgent.bucket == reducer._flags_bucket
+    optimizer.step()
+
+
+def behaviours(rank: int, world_size: int) -> None:
+    run_subtests({
+        "lr_scheduler": functools.partial(case_lr_scheduler, rank, world_size),
+        "checkpoint_plain_torch_and_back": functools.partial(case_checkpoint_moves_to_plain_torch_and_back, rank, world_size),
+        "gates_wait_only_for_own_module": functools.partial(case_gates_wait_only_for_their_own_module, rank, world_size),
+        "eval_under_no_grad_waits": functools.partial(case_eval_under_no_grad_waits_too, rank, world_size),
+        "parameter_used_before_its_module": functools.partial(case_parameter_used_before_its_module, rank, world_size),
+        "realistic_loop_with_clipping": functools.partial(case_realistic_loop_with_clipping_matches_ddp, rank, world_size),
+        "gradient_change_during_overlap": functools.partial(case_gradient_change_during_overlap_is_an_error, rank, world_size),
+        "unsupported_optimizer": functools.partial(case_unsupported_optimizer_still_trains, rank, world_size, None),
+        "forward_order_sets_priority": functools.partial(case_forward_order_sets_priority, rank, world_size),
+    })
+
+
+def test_scheduling_behaviours(ranks):
+    ranks(behaviours, 2, timeout_s=300)

@@ -1,0 +1,150 @@
+"""The scheduler's pure logic: partitions, the simulated plan, the executor."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsched.scheduler import (
+    LinkModel,
+    PlanExecutor,
+    SimulatedSchedule,
+    fifo_plan,
+    make_partitions,
+    robust_plan,
+    simulate_schedule,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=1, max_value=5000), min_size=1, max_size=12),
+    partition_bytes=st.one_of(st.none(), st.integers(min_value=1, max_value=8000)),
+)
+def test_partitions_tile_every_bucket_within_the_size(numels, partition_bytes):
+    partitions = make_partitions(numels, [4] * len(numels), list(range(len(numels))), partition_bytes)
+    assert [p.pid for p in partitions] == list(range(len(partitions)))
+    for bucket, numel in enumerate(numels):
+        mine = [p for p in partitions if p.bucket == bucket]
+        assert mine[0].start == 0 and mine[-1].end == numel
+        assert all(a.end == b.start for a, b in zip(mine, mine[1:]))
+        assert all(p.end > p.start for p in mine)
+        if partition_bytes is None:
+            assert len(mine) == 1
+        else:
+            # no piece above the limit unless one element is already larger
+            assert all(p.nbytes <= max(partition_bytes, 4) for p in mine)
+            # pieces are as equal as possible: at most one element apart
+            sizes = [p.end - p.start for p in mine]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_fifo_plan_is_bucket_order():
+    partitions = make_partitions([10, 10], [4, 4], [5, 0], 16)
+    assert fifo_plan(partitions) == [0, 1, 2, 3, 4, 5]
+
+
+LINK = LinkModel(latency_s=0.0, bytes_per_s=100.0)  # 1 byte = 10 ms
+
+
+def two_buckets():
+    # bucket 0: 400 bytes, ready first, needed last; bucket 1: 100 bytes, ready at 1.0 s, urgent
+    return make_partitions([100, 25], [4, 4], [9, 0], 100)
+
+
+def test_urgent_partition_overtakes_under_credit():
+    partitions = two_buckets()
+    schedule = simulate_schedule(partitions, [0.0, 1.0], LINK, credit_bytes=100, by_priority=True)
+    # At 1.0 s bucket 0's first partition (1 s each) is done, and the urgent one goes next.
+    assert schedule.order == [0, 4, 1, 2, 3]
+    assert schedule.finish_s[4] == pytest.approx(2.0)
+
+
+def test_without_priority_order_is_fifo():
+    partitions = two_buckets()
+    schedule = simulate_schedule(partitions, [0.0, 1.0], LINK, credit_bytes=100, by_priority=False)
+    assert schedule.order == [0, 1, 2, 3, 4]
+
+
+def test_without_credit_everything_ready_is_committed():
+    partitions = two_buckets()
+    schedule = simulate_schedule(partitions, [0.0, 1.0], LINK, credit_bytes=None, by_priority=True)
+    assert schedule.order == [0, 1, 2, 3, 4]
+    assert schedule.finish_s[4] == pytest.approx(5.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=8),
+    ready=st.lists(st.floats(min_value=0, max_value=5), min_size=8, max_size=8),
+    credit=st.one_of(st.none(), st.integers(min_value=1, max_value=2000)),
+    by_priority=st.booleans(),
+)
+def test_simulation_issues_each_partition_once_never_before_ready(numels, ready, credit, by_priority):
+    partitions = make_partitions(numels, [4] * len(numels), list(range(len(numels)))[::-1], 256)
+    schedule = simulate_schedule(partitions, ready[: len(numels)], LINK, credit, by_priority)
+    assert sorted(schedule.order) == list(range(len(partitions)))
+    for p in partitions:
+        duration = LINK.duration_s(p.nbytes)
+        assert schedule.finish_s[p.pid] >= ready[p.bucket] + duration - 1e-9
+    # the link carries one partition at a time, in issue order
+    finishes = [schedule.finish_s[pid] for pid in schedule.order]
+    assert finishes == sorted(finishes)
+
+
+def test_robust_plan_moves_late_partitions_behind_urgent_ones():
+    partitions = two_buckets()
+    schedule = SimulatedSchedule(order=[0, 1, 4, 2, 3], finish_s={0: 1.0, 1: 2.0, 4: 3.0, 2: 4.0, 3: 5.0})
+    # Only what finishes by the last ready time (2.0 s) keeps its place.
+    assert robust_plan(partitions, schedule, last_ready_s=2.0) == [0, 1, 4, 2, 3]
+    assert robust_plan(partitions, schedule, last_ready_s=1.0) == [0, 4, 1, 2, 3]
+
+
+class FakeLink:
+    """Records launches; the test decides when each completes."""
+
+    def __init__(self):
+        self.launched: list[int] = []
+        self.completed: set[int] = set()
+
+    def launch(self, partition):
+        self.launched.append(partition.pid)
+        return partition.pid
+
+    def is_completed(self, handle) -> bool:
+        return handle in self.completed
+
+
+def test_executor_follows_the_plan_blocks_on_readiness_and_credit():
+    partitions = make_partitions([100, 25], [4, 4], [9, 0], 100)  # four of 100 B, one of 100 B
+    link = FakeLink()
+    executor = PlanExecutor(partitions, [0, 4, 1, 2, 3], credit_bytes=200)
+    executor.mark_ready(0)
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0]  # 4 is next in the plan but its bucket is not ready: no skipping
+    executor.mark_ready(1)
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0, 4]  # 200 bytes in flight: the window is full
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0, 4]
+    link.completed.add(0)
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0, 4, 1]
+    executor.pump(link.launch, link.is_completed, ignore_credit=True)
+    assert link.launched == [0, 4, 1, 2, 3] and executor.done
+
+
+def test_a_partition_larger_than_the_window_goes_alone():
+    partitions = make_partitions([100], [4], [0], 400)
+    link = FakeLink()
+    executor = PlanExecutor(partitions, [0], credit_bytes=10)
+    executor.mark_ready(0)
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0]
+
+
+def test_executor_rejects_a_plan_that_misses_partitions():
+    partitions = make_partitions([100], [4], [0], 100)
+    with pytest.raises(ValueError, match="every partition exactly once"):
+        PlanExecutor(partitions, [0, 0, 1], credit_bytes=None)
