@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -335,8 +336,13 @@ class GradientReducer:
             return
         self._iteration += 1
         if self._iteration == PLAN_ITERATION and self._profile is not None:
+            started = time.perf_counter()
             plan = plan_on_rank0(self.partitions, self._profile, self.strategy.credit_bytes, self.process_group)
             self._executor = PlanExecutor(self.partitions, plan, self.strategy.credit_bytes)
+            logger.info(
+                "commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
+                len(plan), len(self.buckets), (time.perf_counter() - started) * 1e3,
+            )
         n = len(self.buckets)
         self._pending = list(self._bucket_param_counts)
         self._executor.reset(n)

@@ -1,0 +1,74 @@
+"""What scheduling itself costs, per iteration and per partition, on loopback.
+
+    .venv/bin/python benchmarks/overhead.py --world-sizes 1 2
+
+With one rank every reduction completes at once, so the difference to the
+unscheduled core is pure bookkeeping: hooks, the plan executor, gates and
+per-bucket updates. With two ranks on loopback it also includes what more,
+smaller collectives cost. Every variant trains the ResNet-like model side by
+side with the others (interleaved rounds); reported: median iteration time,
+the difference to the unscheduled core, partitions per iteration, and the
+difference divided by the number of partitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from commsched.compare import UNSCHEDULED, ComparisonConfig, compare_on_rank
+from commsched.launch import run_ranks
+from commsched.strategy import Strategy
+
+PARTITION_SIZES_MB = (None, 4.0, 1.0, 0.25, 0.0625)
+
+
+def count_partitions(rank: int, world_size: int, workload: str, partition_mb: float | None) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    import commsched
+    from commsched.models import WORKLOADS
+
+    spec = WORKLOADS[workload]
+    model = spec.build()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                         Strategy(partition_mb=partition_mb))
+    x, y = next(spec.batches(2))
+    F.cross_entropy(model(x), y).backward()
+    return len(model._commsched_reducer.partitions)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workload", default="resnet-like")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    systems = [("unscheduled", UNSCHEDULED)]
+    systems += [(f"partition_mb={p}", Strategy(partition_mb=p)) for p in PARTITION_SIZES_MB]
+    partitions = {f"partition_mb={p}": run_ranks(count_partitions, 1, args.workload, p)[0] for p in PARTITION_SIZES_MB}
+    for world_size in args.world_sizes:
+        config = ComparisonConfig(workload=args.workload, batch_size=args.batch_size, iterations=args.iterations,
+                                  rounds=args.rounds, warmup=6, systems=tuple(systems), show_progress=False)
+        results = run_ranks(compare_on_rank, world_size, config, timeout_s=1800)[0]
+        base = results["unscheduled"].median_s
+        print(f"\n{args.workload}, batch {args.batch_size}, {world_size} rank(s) on loopback, "
+              f"{args.rounds} rounds x {args.iterations} iterations")
+        print(f"{'system':22} {'median ms':>10} {'minus unscheduled ms':>21} {'partitions':>11} {'us/partition':>13}")
+        for name, result in results.items():
+            delta = (result.median_s - base) * 1e3
+            count = partitions.get(name)
+            per = f"{delta * 1e3 / count:13.1f}" if count else f"{'':>13}"
+            print(f"{name:22} {result.median_s * 1e3:10.2f} {delta:21.2f} {count or '':>11} {per}")
+        spread = statistics.quantiles(results["unscheduled"].iteration_times_s, n=10)
+        print(f"(unscheduled p10-p90: {spread[0] * 1e3:.1f}-{spread[-1] * 1e3:.1f} ms: differences inside it are noise)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
