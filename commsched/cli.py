@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dataclasses import replace
+
 from commsched import __version__
+from commsched.compare import UNSCHEDULED
 from commsched.strategy import Strategy
 
 
@@ -19,7 +22,7 @@ def _demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         rounds=args.rounds,
         warmup=args.warmup,
-        systems=((DDP, None), (COMMSCHED, args.strategy)),
+        systems=((DDP, None), (f"{COMMSCHED}, scheduling off", args.unscheduled), (COMMSCHED, args.strategy)),
         show_progress=not args.no_progress,
     )
     results = run_demo(config, world_size=args.world_size)
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "bucket_cap_mb"):
         try:
             args.strategy = Strategy(bucket_cap_mb=args.bucket_cap_mb)
+            args.unscheduled = replace(UNSCHEDULED, bucket_cap_mb=args.bucket_cap_mb)
         except ValueError as error:
             parser.error(str(error))
     return args.action(args)

@@ -7,7 +7,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from commsched.compare import COMMSCHED, DDP, ComparisonConfig, SystemResult, compare_on_rank
+from commsched.compare import DDP, ComparisonConfig, SystemResult, compare_on_rank
 from commsched.launch import run_ranks
 
 
@@ -29,8 +29,7 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
                    "final train loss", "held-out loss"):
         table.add_column(column, justify="left" if column == "system" else "right")
     ddp_median = results[DDP].median_s
-    for name in (DDP, COMMSCHED):
-        result = results[name]
+    for name, result in results.items():
         deciles = statistics.quantiles(result.iteration_times_s, n=10)
         table.add_row(
             name,
@@ -41,11 +40,13 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
             f"{result.eval_loss:.4f}",
         )
     console.print(table)
-    agree = all(
-        f"{getattr(results[DDP], f):.4f}" == f"{getattr(results[COMMSCHED], f):.4f}"
-        for f in ("final_loss", "eval_loss")
-    )
+    shown = {(f"{r.final_loss:.4f}", f"{r.eval_loss:.4f}") for r in results.values()}
+    agree = len(shown) == 1
     console.print(
         "losses agree to 4 decimals: " + ("[green]yes[/green]" if agree else "[red]NO[/red]")
+    )
+    console.print(
+        "Loopback has no network bottleneck, so there is little for scheduling to hide here; "
+        "benchmarks/cluster_compare.py measures emulated hosts with shaped links."
     )
     return agree

@@ -68,8 +68,8 @@ class Strategy:
         _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
         _check_positive_finite("first_bucket_mb", self.first_bucket_mb)
         _check_positive_finite("timeout_s", self.timeout_s)
-        _check_optional_positive("partition_mb", self.partition_mb)
-        _check_optional_positive("credit_mb", self.credit_mb)
+        _check_positive_finite("partition_mb", self.partition_mb, optional=True)
+        _check_positive_finite("credit_mb", self.credit_mb, optional=True)
         for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
 
@@ -94,42 +94,24 @@ class Strategy:
     def credit_bytes(self) -> int | None:
         return None if self.credit_mb is None else max(1, int(self.credit_mb * MIB))
 
-    @property
-    def schedules(self) -> bool:
-        """True if any scheduling feature is on (otherwise: the plain DDP-like core)."""
-        return bool(self.priority or self.partition_mb or self.credit_mb or self.overlap_forward)
-
     def describe(self) -> str:
         """One line with every field, for logs."""
         return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
 
 
-def _check_positive_finite(name: str, value: object) -> None:
+def _check_positive_finite(name: str, value: object, optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"Strategy.{name} must be a number, got {value!r} ({type(value).__name__})"
-        )
+        kind = "a number or None" if optional else "a number"
+        raise ValueError(f"Strategy.{name} must be {kind}, got {value!r} ({type(value).__name__})")
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"Strategy.{name} must be finite and greater than 0, got {value!r}"
-        )
+        allowed = "None or finite and greater than 0" if optional else "finite and greater than 0"
+        raise ValueError(f"Strategy.{name} must be {allowed}, got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(
             f"Strategy.{name} must be True or False, got {value!r} ({type(value).__name__})"
-        )
-
-
-def _check_optional_positive(name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(
-            f"Strategy.{name} must be a number or None, got {value!r} ({type(value).__name__})"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"Strategy.{name} must be None or finite and greater than 0, got {value!r}"
         )

@@ -54,8 +54,8 @@ def rank_slice(rank: int) -> slice:
     return slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
 
 
-def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
-    """One step of single-process training on the concatenated batch.
+def reference_backward(model, x, y, iteration, world_size):
+    """Single-process backward on the concatenated batch.
 
     The loss is the mean over the global batch; each rank's slice is routed as
     that rank routes it, so unused-parameter patterns match.
@@ -65,6 +65,11 @@ def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=Tr
         for r in range(world_size)
     ) / world_size
     loss.backward()
+
+
+def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
+    """One step of single-process training on the concatenated batch."""
+    reference_backward(model, x, y, iteration, world_size)
     optimizer.step()
     optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -122,11 +127,7 @@ def case_no_sync_accumulation(rank, world_size, micro_steps=3):
             context = model.no_sync() if not last else torch.enable_grad()
             with context:
                 F.mse_loss(model(x[mine], use_aux=uses_aux(start + k, rank)), y[mine]).backward()
-            loss = sum(
-                F.mse_loss(reference(x[rank_slice(r)], use_aux=uses_aux(start + k, r)), y[rank_slice(r)])
-                for r in range(world_size)
-            ) / world_size
-            loss.backward()
+            reference_backward(reference, x, y, start + k, world_size)
         optimizer.step()
         optimizer.zero_grad()
         reference_optimizer.step()
@@ -144,11 +145,7 @@ def case_backward_twice_without_step(rank, world_size):
         for iteration, (x, y) in enumerate(pair):
             mine = rank_slice(rank)
             F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-            loss = sum(
-                F.mse_loss(reference(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
-                for r in range(world_size)
-            ) / world_size
-            loss.backward()
+            reference_backward(reference, x, y, iteration, world_size)
         optimizer.step()
         optimizer.zero_grad()
         reference_optimizer.step()

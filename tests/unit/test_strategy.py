@@ -41,3 +41,18 @@ def test_frozen_and_keyword_only():
     with pytest.raises(TypeError):
         Strategy(4)  # type: ignore[misc]
     assert "bucket_cap_mb=4" in strategy.describe()
+
+
+@pytest.mark.parametrize("field", ["partition_mb", "credit_mb"])
+def test_optional_sizes_accept_none_and_reject_bad_values(field):
+    assert getattr(Strategy(**{field: None}), field) is None
+    with pytest.raises(ValueError, match=rf"Strategy.{field} must be None or finite and greater than 0, got -2"):
+        Strategy(**{field: -2})
+    with pytest.raises(ValueError, match=rf"Strategy.{field} must be a number or None, got '1'"):
+        Strategy(**{field: "1"})
+
+
+@pytest.mark.parametrize("field", ["priority", "overlap_forward", "fuse_optimizer"])
+def test_scheduling_flags_must_be_bools(field):
+    with pytest.raises(ValueError, match=rf"Strategy.{field} must be True or False"):
+        Strategy(**{field: 1})
