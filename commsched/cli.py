@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dataclasses import replace
 
@@ -30,6 +31,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if agree else 1
 
 
+def _trace_report(args: argparse.Namespace) -> int:
+    from commsched.trace_report import report
+
+    png = args.png if args.png is not None else args.directory / "gantt.png"
+    try:
+        print(report(args.directory, iteration=args.iteration, png=png))
+    except FileNotFoundError as error:
+        print(f"commsched trace-report: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from commsched.models import WORKLOADS
 
@@ -49,6 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-cap-mb", type=float, default=Strategy().bucket_cap_mb)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(action=_demo)
+
+    trace = commands.add_parser(
+        "trace-report", help="per iteration: time, communication exposed, overlap; and a Gantt chart"
+    )
+    trace.add_argument("directory", type=Path, help="the Strategy(trace_dir=...) directory")
+    trace.add_argument("--iteration", type=int, help="iteration to draw (default: the last full one)")
+    trace.add_argument("--png", type=Path, help="where to draw it (default: DIRECTORY/gantt.png)")
+    trace.set_defaults(action=_trace_report)
+
+    from commsched import bench as bench_module
+
+    bench = commands.add_parser(
+        "bench", help="commsched vs torch DDP vs the bound on emulated hosts (needs root)",
+        description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_module.build_parser(bench)
+    bench.set_defaults(action=bench_module.run_from_args)
     return parser
 
 

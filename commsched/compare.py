@@ -23,6 +23,15 @@ from commsched.strategy import Strategy
 
 DDP = "torch DDP"
 COMMSCHED = "commsched"
+
+
+@dataclass(frozen=True)
+class DDPSpec:
+    """torch DDP with a given ``bucket_cap_mb`` (a system entry; None means the defaults)."""
+
+    bucket_cap_mb: float = 25.0
+
+
 LOCAL = "local"
 ALLREDUCE_ONLY = "all-reduce of all gradients"
 UNSCHEDULED = Strategy(
@@ -42,9 +51,9 @@ class ComparisonConfig:
     warmup: int = 3
     """Iterations per system before the first round, not measured."""
     learning_rate: float = 0.05
-    systems: tuple[tuple[str, Strategy | str | None], ...] = ((DDP, None), (COMMSCHED, Strategy()))
-    """(name, strategy) per system; None means torch DDP, `LOCAL` training with no
-    communication at all (every rank computing: the compute part of the bound)."""
+    systems: tuple[tuple[str, Strategy | DDPSpec | str | None], ...] = ((DDP, None), (COMMSCHED, Strategy()))
+    """(name, strategy) per system; None or a `DDPSpec` means torch DDP, `LOCAL` training
+    with no communication at all (every rank computing: the compute part of the bound)."""
     measure_allreduce: bool = False
     """Also time one all-reduce of all gradients (the communication part of the bound)."""
     ddp_bucket_cap_mb: float = 25.0
@@ -54,6 +63,8 @@ class ComparisonConfig:
 @dataclass
 class SystemResult:
     iteration_times_s: list[float] = field(default_factory=list)
+    cpu_times_s: list[float] = field(default_factory=list)
+    """CPU time of the whole process (all threads) per iteration, where measured."""
     final_loss: float = float("nan")
     eval_loss: float = float("nan")
 
@@ -110,8 +121,9 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
         if strategy == LOCAL:
             model = copy.deepcopy(base)
             optimizer = sgd(model)
-        elif strategy is None:
-            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=config.ddp_bucket_cap_mb)
+        elif strategy is None or isinstance(strategy, DDPSpec):
+            cap = config.ddp_bucket_cap_mb if strategy is None else strategy.bucket_cap_mb
+            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
             optimizer = sgd(model)
         else:
             model = copy.deepcopy(base)
@@ -157,9 +169,10 @@ def _time_allreduce(model: torch.nn.Module, repeats: int) -> SystemResult:
     result = SystemResult()
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         dist.all_reduce(buffer)
         result.iteration_times_s.append(time.perf_counter() - start)
+        result.cpu_times_s.append(time.process_time() - cpu_start)
     return result
 
 

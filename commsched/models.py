@@ -2,7 +2,8 @@
 
 The shapes matter more than the task: the ResNet-like has many small tensors
 (per-tensor overheads dominate), the VGG-like has huge late fully connected
-layers (bytes dominate). Data is synthetic and labelled by a fixed random
+layers (bytes dominate), the Transformer-like has uniform blocks and a large
+embedding that the forward pass uses first. Data is synthetic and labelled by a fixed random
 teacher, so the loss really falls and no download is needed.
 """
 
@@ -97,6 +98,28 @@ class VGGLike(nn.Module):
         return self.classifier(self.features(x))
 
 
+class TransformerLike(nn.Module):
+    """A Transformer encoder classifier whose large token embedding is used first.
+
+    The embedding (8000 x 256, 8 MB) is the first layer the forward pass needs
+    and the last gradient the backward pass produces: the case where sending in
+    the order gradients become ready is most wrong.
+    """
+
+    def __init__(self, vocab: int = 8000, width: int = 256, layers: int = 4, heads: int = 4,
+                 sequence: int = 64, classes: int = 10):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(sequence, width))
+        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=4 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        return self.head(self.encoder(h).mean(dim=1))
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and the synthetic classification task it trains on."""
@@ -105,10 +128,15 @@ class Workload:
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     classes: int = 10
+    vocab: int | None = None
+    """Token inputs drawn from this vocabulary, instead of Gaussian inputs."""
 
     def teacher(self, seed: int = 7) -> Callable[[torch.Tensor], torch.Tensor]:
         """A fixed random linear map from inputs to labels: a learnable task."""
         generator = torch.Generator().manual_seed(seed)
+        if self.vocab is not None:
+            table = torch.randn(self.vocab, self.classes, generator=generator)
+            return lambda tokens: table[tokens].sum(dim=1).argmax(dim=1)
         numel = 1
         for size in self.input_shape:
             numel *= size
@@ -120,7 +148,10 @@ class Workload:
         generator = torch.Generator().manual_seed(seed)
         label = self.teacher()
         while True:
-            x = torch.randn(batch_size, *self.input_shape, generator=generator)
+            if self.vocab is not None:
+                x = torch.randint(self.vocab, (batch_size, *self.input_shape), generator=generator)
+            else:
+                x = torch.randn(batch_size, *self.input_shape, generator=generator)
             yield x, label(x)
 
 
@@ -128,4 +159,5 @@ WORKLOADS: dict[str, Workload] = {
     "demo-mlp": Workload("demo-mlp", DemoNet, (64,)),
     "resnet-like": Workload("resnet-like", ResNetLike, (3, 32, 32)),
     "vgg-like": Workload("vgg-like", VGGLike, (3, 32, 32)),
+    "transformer-like": Workload("transformer-like", TransformerLike, (64,), vocab=8000),
 }

@@ -36,6 +36,7 @@ with an error that says what to do.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import time
@@ -53,6 +54,7 @@ from commsched.order import ForwardRecorder, agree_on_order
 from commsched.planning import ReadyTimeProfile, plan_on_rank0
 from commsched.scheduler import Partition, PlanExecutor, fifo_plan, make_partitions
 from commsched.strategy import Strategy
+from commsched.trace import Tracer, now_us
 from commsched.updates import BucketUpdater, unsupported_reason
 
 logger = logging.getLogger("commsched")
@@ -138,6 +140,12 @@ class GradientReducer:
         self._user_may_touch_grads = False
         self._grads_released = False
 
+        self._tracer: Tracer | None = None
+        self._ready_us: list[float] = []
+        if strategy.trace_dir is not None:
+            self._tracer = Tracer(strategy.trace_dir, dist.get_rank(process_group))
+            atexit.register(self._tracer.write)
+
         self._modules = list(module.modules())
         self._fingerprint = self._take_fingerprint()
         self._snapshot = self._describe_parameters()
@@ -146,6 +154,8 @@ class GradientReducer:
             for slot, param in enumerate(self._params)
         ]
         self._hook_handles.append(module.register_forward_pre_hook(self._before_forward))
+        if self._tracer is not None:
+            self._hook_handles += self._tracer.attach_modules(module, self._params)
         if not strategy.priority:
             # Registration order reversed approximates the order gradients are produced.
             self._build(list(range(self._num_slots)))
@@ -220,6 +230,7 @@ class GradientReducer:
 
     def _reset_iteration_state(self) -> None:
         n = len(self.buckets)
+        self._ready_us = [0.0] * n
         self._handles = [[] for _ in range(n)]
         self._reduced = [True] * n
         self._updated = [True] * n
@@ -238,6 +249,8 @@ class GradientReducer:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        if self._tracer is not None:
+            self._tracer.write()
 
     # ------------------------------------------------------------- public API
     @contextmanager
@@ -262,6 +275,14 @@ class GradientReducer:
 
     def step(self, step_with_optimizer) -> None:
         """Release this iteration's updates (all at once without overlap)."""
+        if self._tracer is None:
+            self._step(step_with_optimizer)
+            return
+        started = now_us()
+        self._step(step_with_optimizer)
+        self._tracer.span("compute", "step", started, now_us())
+
+    def _step(self, step_with_optimizer) -> None:
         if self._step_hyperparameters is not None:
             # A second step() on the same gradients: finish the first, then redo it whole.
             self.synchronize()
@@ -302,6 +323,8 @@ class GradientReducer:
             view.copy_(grad)
             param.grad = view
         self._ready[slot] = True
+        if self._tracer is not None:
+            self._tracer.param_ready(slot)
         if not self._sync_this_backward:
             return
         self._has_grad[slot] = True
@@ -355,6 +378,10 @@ class GradientReducer:
         self._globally_unused = frozenset()
         self._user_may_touch_grads = False
         self._grads_released = False
+        if self._tracer is not None:
+            self._tracer.iteration = self._iteration
+            if self._iteration % 20 == 0:
+                self._tracer.write()
         self._overlap_now = self.overlap_enabled and self._iteration >= WARMUP_ITERATIONS
         self._profiling = self._profile is not None and 0 < self._iteration < PLAN_ITERATION
         if self._profiling:
@@ -369,6 +396,8 @@ class GradientReducer:
         self._launch_version[bucket_index] = bucket.flat._version
         if self._profiling:
             self._profile.bucket_ready(bucket_index)
+        if self._tracer is not None:
+            self._ready_us[bucket_index] = now_us()
         self._executor.mark_ready(bucket_index)
         self._executor.pump(self._launch_partition, _is_completed)
 
@@ -377,7 +406,16 @@ class GradientReducer:
             self._profile.launched(partition.nbytes)
         handle = self.backend.launch(self.buckets[partition.bucket], partition.start, partition.end)
         self._handles[partition.bucket].append(handle)
+        if self._tracer is not None:
+            self._trace_partition(partition, handle)
         return handle
+
+    def _trace_partition(self, partition: Partition, handle: Handle) -> None:
+        tracer, issued = self._tracer, now_us()
+        name = f"P{partition.pid} b{partition.bucket}"
+        tracer.span("queue", name, self._ready_us[partition.bucket], issued, bytes=partition.nbytes)
+        handle.on_complete(lambda: tracer.span("wire", name, issued, now_us(), bytes=partition.nbytes,
+                                               priority=partition.priority))
 
     def _end_backward(self) -> None:
         """Runs once the autograd engine has finished this backward pass."""
@@ -417,15 +455,22 @@ class GradientReducer:
     # ------------------------------------------------------- completion side
     def _complete_bucket(self, bucket: int) -> None:
         """Wait for ``bucket``'s reduction; update it if step() released updates."""
+        tracer = self._tracer
         if not self._reduced[bucket]:
+            started = now_us() if tracer is not None else 0.0
             for handle in self._handles[bucket]:
                 handle.wait(self.strategy.timeout_s)
             self._reduced[bucket] = True
+            if tracer is not None:
+                tracer.span("gates", f"wait b{bucket}", started, now_us())
         if not self._flags_settled and (bucket == self._flags_bucket or self._unowned_grad_slots):
             self._settle_flags()
         if self._step_hyperparameters is not None and not self._updated[bucket]:
             if self.updater is not None:
+                started = now_us() if tracer is not None else 0.0
                 self.updater.update(bucket, self._step_hyperparameters, self._globally_unused)
+                if tracer is not None:
+                    tracer.span("update", f"update b{bucket}", started, now_us())
             self._updated[bucket] = True
             self._outstanding -= 1
 
@@ -483,6 +528,9 @@ class GradientReducer:
 
     # -------------------------------------------------------- forward checks
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        if self._tracer is not None and torch.is_grad_enabled() and module.training:
+            self._tracer.end("compute", 0, "iteration")
+            self._tracer.begin("compute", 0)
         if self.phase is Phase.BACKWARD:
             raise RuntimeError(
                 "the previous backward pass did not finish (it raised an exception), so some "

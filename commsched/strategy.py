@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 
 MIB = 1024 * 1024
@@ -59,6 +60,12 @@ class Strategy:
     """Update SGD, Adam and AdamW parameters bucket by bucket with torch's fused
     kernels (``fused=True``) instead of the optimizer's own per-tensor loop."""
 
+    trace_dir: str | None = None
+    """Write a timeline per rank (``rank<N>.json``, Chrome trace format) into this
+    directory: forward and backward per module, per partition its queue and wire
+    time, per bucket its update, and every wait on communication. Read it with
+    ``commsched trace-report DIR`` or Perfetto. Off (None) it costs nothing."""
+
     timeout_s: float = 300.0
     """Longest wait, in seconds, for one gradient reduction. A peer that died or
     stopped participating gives a ``CommunicationTimeout`` naming the bucket
@@ -70,6 +77,10 @@ class Strategy:
         _check_positive_finite("timeout_s", self.timeout_s)
         _check_positive_finite("partition_mb", self.partition_mb, optional=True)
         _check_positive_finite("credit_mb", self.credit_mb, optional=True)
+        if self.trace_dir is not None and not isinstance(self.trace_dir, (str, os.PathLike)):
+            raise ValueError(
+                f"Strategy.trace_dir must be a directory path or None, got {self.trace_dir!r}"
+            )
         for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
 

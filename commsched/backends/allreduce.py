@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.distributed as dist
 
 from commsched.backends.base import Backend, CompletedHandle, Handle, wait_or_raise
@@ -28,6 +30,9 @@ class _WorkHandle:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._work.get_future().add_done_callback(lambda future: callback())
 
 
 class AllReduceBackend(Backend):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+from collections.abc import Callable
 from typing import Protocol
 
 import torch.distributed as dist
@@ -37,6 +38,9 @@ class Handle(Protocol):
     def is_completed(self) -> bool:
         """True once the operation has finished (without blocking)."""
 
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread) once the operation has finished."""
+
 
 class CompletedHandle:
     """A handle for work that needed no communication (world size 1)."""
@@ -46,6 +50,9 @@ class CompletedHandle:
 
     def is_completed(self) -> bool:
         return True
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        callback()
 
 
 class Backend(abc.ABC):

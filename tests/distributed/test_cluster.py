@@ -92,3 +92,13 @@ def test_commsched_trains_across_hosts():
         outputs = [p.communicate(timeout=120) for p in procs]
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0 and out.strip() == "ok", err[-2000:]
+
+
+def test_bench_runs_one_cell_with_torchrun_on_every_host():
+    from commsched.bench import COMPUTE_ONLY, Cell, run_cell, summarize, systems
+
+    cell = Cell("resnet-like", rate_gbit=1.0, hosts=2, batch_size=2)
+    result = run_cell(cell, systems(), rounds=1, iterations=1, warmup=1, timeout_s=300, port=29622)
+    assert set(systems()) <= set(result) and COMPUTE_ONLY in result
+    row = summarize(cell, [result])
+    assert row["bound_ms"] > 0 and row["commsched_ms"] > 0

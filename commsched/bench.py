@@ -1,0 +1,280 @@
+"""``commsched bench``: commsched against torch DDP and the physical bound on emulated hosts.
+
+For every cell of a grid (model, link rate, number of hosts, batch size), a
+fresh `EmulatedCluster` is built and one process per host is started with
+torchrun (``--nnodes``, gloo bound to the host's ``eth0``). In that one run
+every system trains side by side in interleaved rounds (`commsched.compare`):
+compute alone (every host computing, no communication), torch DDP with its
+defaults, torch DDP with each ``bucket_cap_mb`` of a small sweep, commsched
+with scheduling off, commsched with its default `Strategy`. One all-reduce of
+all gradients is timed too, with the CPU time it costs. The bound of a cell is
+max(compute alone, one all-reduce); efficiency is bound / iteration time.
+
+Outputs, in ``--out``: ``runs.json`` (every iteration of every run),
+``results.md`` (the table) and ``speedup.png`` (speedup over DDP against the
+link rate, per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from commsched.compare import (
+    ALLREDUCE_ONLY,
+    COMMSCHED,
+    DDP,
+    LOCAL,
+    UNSCHEDULED,
+    ComparisonConfig,
+    DDPSpec,
+)
+from commsched.strategy import Strategy
+
+COMPUTE_ONLY = "compute only"
+UNSCHEDULED_NAME = "commsched, scheduling off"
+DDP_SWEEP_MB = (5.0, 100.0)
+"""bucket_cap_mb values tried besides DDP's default 25, for the best-DDP column."""
+BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    rate_gbit: float
+    hosts: int
+    batch_size: int
+
+
+def systems() -> dict[str, object]:
+    chosen: dict[str, object] = {COMPUTE_ONLY: LOCAL, DDP: None}
+    chosen.update({f"torch DDP, bucket_cap_mb={cap:g}": DDPSpec(cap) for cap in DDP_SWEEP_MB})
+    chosen[UNSCHEDULED_NAME] = UNSCHEDULED
+    chosen[COMMSCHED] = Strategy()
+    return chosen
+
+
+def _encode(system: object) -> object:
+    if isinstance(system, Strategy):
+        return {"strategy": asdict(system)}
+    if isinstance(system, DDPSpec):
+        return {"ddp": asdict(system)}
+    return system
+
+
+def _decode(system: object) -> object:
+    if isinstance(system, dict) and "strategy" in system:
+        return Strategy(**system["strategy"])
+    if isinstance(system, dict) and "ddp" in system:
+        return DDPSpec(**system["ddp"])
+    return system
+
+
+# ------------------------------------------------------------------ one cell
+def worker(config_path: Path, out_path: Path) -> None:
+    """Runs on every host under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    from commsched.compare import compare_on_rank
+
+    torch.set_num_threads(1)
+    spec = json.loads(config_path.read_text())
+    chosen = tuple((name, _decode(s)) for name, s in spec.pop("systems"))
+    config = ComparisonConfig(**spec, systems=chosen, show_progress=False, measure_allreduce=True)
+    dist.init_process_group("gloo")
+    results = compare_on_rank(dist.get_rank(), dist.get_world_size(), config)
+    if dist.get_rank() == 0:
+        out_path.write_text(json.dumps({name: asdict(r) for name, r in results.items()}))
+    dist.destroy_process_group()
+
+
+def run_cell(cell: Cell, chosen: dict[str, object], rounds: int, iterations: int, warmup: int,
+             timeout_s: float, port: int = 29533) -> dict:
+    from commsched.cluster import EmulatedCluster, LinkSpec
+
+    spec = {
+        "workload": cell.model, "batch_size": cell.batch_size, "iterations": iterations,
+        "rounds": rounds, "warmup": warmup,
+        "systems": [(name, _encode(s)) for name, s in chosen.items()],
+    }
+    with tempfile.TemporaryDirectory() as tmp, \
+            EmulatedCluster(cell.hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:
+        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
+        config_path.write_text(json.dumps(spec))
+        procs = []
+        for host in range(cell.hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cell.hosts}",
+                    "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
+                    f"--master-port={port}", "-m", "commsched.bench", "--worker", str(config_path), str(out_path)]
+            procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        try:
+            errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for p, err in zip(procs, errors):
+            if p.returncode != 0:
+                raise RuntimeError(f"a host of {cell} exited with {p.returncode}:\n{err[-3000:]}")
+        return json.loads(out_path.read_text())
+
+
+# ------------------------------------------------------------------ summary
+def summarize(cell: Cell, runs: list[dict]) -> dict:
+    """Medians over repeats of each system's mean iteration time, and the derived ratios."""
+
+    def per_repeat(name: str) -> list[float]:
+        return [statistics.fmean(r[name]["iteration_times_s"]) for r in runs]
+
+    compute = per_repeat(COMPUTE_ONLY)
+    allreduce = [statistics.median(r[ALLREDUCE_ONLY]["iteration_times_s"]) for r in runs]
+    allreduce_cpu = [statistics.median(r[ALLREDUCE_ONLY]["cpu_times_s"]) for r in runs]
+    bounds = [max(c, a) for c, a in zip(compute, allreduce)]
+    ddp_names = [name for name in runs[0] if name.startswith(DDP)]
+    best_ddp = [min(statistics.fmean(r[n]["iteration_times_s"]) for n in ddp_names) for r in runs]
+    ours, off, ddp = per_repeat(COMMSCHED), per_repeat(UNSCHEDULED_NAME), per_repeat(DDP)
+    return {
+        **asdict(cell),
+        "compute_ms": statistics.median(compute) * 1e3,
+        "allreduce_ms": statistics.median(allreduce) * 1e3,
+        "allreduce_cpu_ms": statistics.median(allreduce_cpu) * 1e3,
+        "bound_ms": statistics.median(bounds) * 1e3,
+        "ddp_ms": statistics.median(ddp) * 1e3,
+        "best_ddp_ms": statistics.median(best_ddp) * 1e3,
+        "scheduling_off_ms": statistics.median(off) * 1e3,
+        "commsched_ms": statistics.median(ours) * 1e3,
+        "speedup_vs_ddp": statistics.median(d / o for d, o in zip(ddp, ours)),
+        "speedup_vs_ddp_range": [min(d / o for d, o in zip(ddp, ours)), max(d / o for d, o in zip(ddp, ours))],
+        "speedup_vs_best_ddp": statistics.median(d / o for d, o in zip(best_ddp, ours)),
+        "efficiency": statistics.median(b / o for b, o in zip(bounds, ours)),
+        "ddp_efficiency": statistics.median(b / d for b, d in zip(bounds, ddp)),
+        "repeats": len(runs),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    header = ("| model | hosts | Gbit/s | batch | compute ms | all-reduce ms (CPU ms) | bound ms | DDP ms "
+              "| best DDP ms | sched. off ms | commsched ms | speedup vs DDP (range) | vs best DDP "
+              "| efficiency (DDP's) |")
+    lines = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
+    for r in rows:
+        low, high = r["speedup_vs_ddp_range"]
+        lines.append(
+            f"| {r['model']} | {r['hosts']} | {r['rate_gbit']:g} | {r['batch_size']} | {r['compute_ms']:.0f} "
+            f"| {r['allreduce_ms']:.0f} ({r['allreduce_cpu_ms']:.0f}) | {r['bound_ms']:.0f} | {r['ddp_ms']:.0f} "
+            f"| {r['best_ddp_ms']:.0f} | {r['scheduling_off_ms']:.0f} | {r['commsched_ms']:.0f} "
+            f"| {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) | {r['speedup_vs_best_ddp']:.2f} "
+            f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for hosts in sorted({r["hosts"] for r in rows if r["model"] == model}):
+            mine = sorted((r for r in rows if r["model"] == model and r["hosts"] == hosts), key=lambda r: r["rate_gbit"])
+            ax.plot([r["rate_gbit"] for r in mine], [r["speedup_vs_ddp"] for r in mine], "o-", label=f"{hosts} hosts")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate (Gbit/s)")
+        ax.set_ylabel("speedup over torch DDP")
+        ax.set_title(model)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------ driver
+def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup: int, repeats: int,
+             timeout_s: float) -> list[dict]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = systems()
+    record: dict = {"systems": list(chosen), "cells": []}
+    rows = []
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as progress:
+        task = progress.add_task("benchmark", total=len(cells) * repeats)
+        for cell in cells:
+            runs = []
+            for _ in range(repeats):
+                progress.update(task, description=f"{cell.model} {cell.hosts} hosts {cell.rate_gbit:g} Gbit/s")
+                runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s))
+                progress.advance(task)
+            rows.append(summarize(cell, runs))
+            record["cells"].append({"cell": asdict(cell), "runs": runs, "summary": rows[-1]})
+            (out / "runs.json").write_text(json.dumps(record, indent=1))
+            (out / "results.md").write_text(markdown(rows))
+    plot(rows, out / "speedup.png")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    return run_from_args(args)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="commsched bench", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true",
+                        help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat: under 10 minutes")
+    parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
+    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.1, 0.25, 1.0, 10.0])
+    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--batch-size", type=int, help="per host (default: 64 VGG, 32 ResNet, 16 Transformer)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=5, help="per system per round")
+    parser.add_argument("--warmup", type=int, default=6,
+                        help="unmeasured iterations per system (commsched plans its order at the 4th)")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per cell")
+    parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from commsched.cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"commsched bench: {reason}; the emulated cluster needs it. Without it, "
+              "benchmarks/loopback.py compares the systems on loopback.", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.rates_gbit, args.hosts, args.repeats, args.rounds, args.iterations = [0.25, 1.0], [2], 1, 2, 3
+    cells = [Cell(m, r, h, args.batch_size or BATCH[m])
+             for m, h, r in itertools.product(args.models, args.hosts, args.rates_gbit)]
+    rows = run_grid(cells, args.out, args.rounds, args.iterations, args.warmup, args.repeats, args.timeout_s)
+    print(markdown(rows))
+    print(f"every run: {args.out / 'runs.json'}; table: {args.out / 'results.md'}; plot: {args.out / 'speedup.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

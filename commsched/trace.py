@@ -1,0 +1,102 @@
+"""Timeline trace: a Chrome-trace JSON per rank (open in Perfetto or chrome://tracing).
+
+Rows (``tid``) of one rank's process:
+
+- ``compute``: the iteration, forward and backward per module, ``step``;
+- ``gates``: time the forward pass (or the end of backward, or a synchronize)
+  spent waiting for a reduction: communication that was *not* hidden;
+- ``queue``: per partition, from its bucket being ready to its issue;
+- ``wire``: per partition, from its issue to its completion (recorded by the
+  completion callback, so the time is when it really finished);
+- ``update``: per bucket, its optimizer update.
+
+Tracing is off unless ``Strategy(trace_dir=...)`` or ``COMMSCHED_TRACE_DIR``
+is set; off, the hot path pays one ``is None`` test per event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROWS = ("compute", "gates", "queue", "wire", "update")
+
+
+def now_us() -> float:
+    return time.perf_counter_ns() / 1e3
+
+
+class Tracer:
+    """Collects complete ("X") events for one rank and writes them as JSON."""
+
+    def __init__(self, directory: str | os.PathLike, rank: int):
+        self.path = Path(directory) / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.iteration = -1
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # completion callbacks run on communication threads
+        self._open: dict[tuple[str, int], float] = {}
+
+    def span(self, row: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
+        event = {"name": name, "ph": "X", "pid": self.rank, "tid": row, "ts": start_us,
+                 "dur": max(end_us - start_us, 0.0), "args": {"iteration": self.iteration, **args}}
+        with self._lock:
+            self._events.append(event)
+
+    def begin(self, row: str, key: int) -> None:
+        self._open[(row, key)] = now_us()
+
+    def end(self, row: str, key: int, name: str, **args: Any) -> None:
+        start = self._open.pop((row, key), None)
+        if start is not None:
+            self.span(row, name, start, now_us(), **args)
+
+    def attach_modules(self, root: torch.nn.Module, params: list[torch.nn.Parameter]) -> list:
+        """Forward spans for every module; backward spans for modules owning parameters.
+
+        A backward span opens when autograd starts the node that produced the
+        module's output (a node pre-hook: no tensor is wrapped, so in-place
+        operations stay legal) and closes when the module's first parameter
+        gradient is ready (`param_ready`). Returns the hook handles.
+        """
+        slot_of = {id(p): slot for slot, p in enumerate(params)}
+        self._owner_of_slot: dict[int, tuple[int, str]] = {}
+        handles = []
+        for name, module in root.named_modules():
+            label = name or type(root).__name__
+            key = id(module)
+            owns = [slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of]
+            for slot in owns:
+                self._owner_of_slot[slot] = (key, label)
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, key=key: self.begin("compute", key)))
+            handles.append(module.register_forward_hook(
+                lambda m, a, o, key=key, label=label, owns=bool(owns): self._after_forward(key, label, o, owns)))
+        return handles
+
+    def _after_forward(self, key: int, label: str, output: object, owns_parameters: bool) -> None:
+        self.end("compute", key, f"forward {label}")
+        node = getattr(output, "grad_fn", None)
+        if owns_parameters and node is not None:
+            node.register_prehook(lambda grad_outputs, key=key: self.begin("compute", -key))
+
+    def param_ready(self, slot: int) -> None:
+        owner = self._owner_of_slot.get(slot)
+        if owner is not None:
+            self.end("compute", -owner[0], f"backward {owner[1]}")
+
+    def write(self) -> Path:
+        with self._lock:
+            events = list(self._events)
+        metadata = [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": row, "args": {"name": row}}
+                    for row in ROWS]
+        metadata.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
+        self.path.write_text(json.dumps({"traceEvents": metadata + events, "displayTimeUnit": "ms"}))
+        return self.path

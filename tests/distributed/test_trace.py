@@ -1,0 +1,69 @@
+"""The timeline trace: files load, spans nest, every partition appears; the report reads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import commsched
+from commsched.reducer import WARMUP_ITERATIONS
+from commsched.testing.models import ParityNet
+from commsched.trace_report import report
+
+pytestmark = pytest.mark.distributed
+ITERATIONS = WARMUP_ITERATIONS + 3
+
+
+def train_traced(rank: int, world_size: int, directory: str) -> int:
+    torch.manual_seed(0)
+    model = ParityNet()
+    strategy = commsched.Strategy(trace_dir=directory, partition_mb=256 / 2**20, credit_mb=512 / 2**20,
+                                  bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+    for _ in range(ITERATIONS):
+        F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model(torch.randn(4, 8))  # closes the last iteration span
+    model._commsched_reducer.close()
+    return len(model._commsched_reducer.partitions)
+
+
+def test_trace_files_spans_and_report(ranks, tmp_path):
+    partitions = ranks(train_traced, 2, str(tmp_path), timeout_s=180)[0]
+    for rank in range(2):
+        events = [e for e in json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"] if e["ph"] == "X"]
+        # every partition is queued and on the wire in every iteration
+        for row in ("queue", "wire"):
+            per_iteration = {}
+            for e in events:
+                if e["tid"] == row:
+                    per_iteration.setdefault(e["args"]["iteration"], []).append(e["name"])
+            assert sorted(per_iteration) == list(range(ITERATIONS)), row
+            assert all(len(set(names)) == partitions for names in per_iteration.values()), row
+        # forward spans nest: each child's forward lies inside its parent's
+        forward = {e["name"].removeprefix("forward "): e for e in events if e["name"].startswith("forward ")}
+        child, parent = forward["blocks.0"], forward["blocks"]
+        assert parent["ts"] <= child["ts"] and child["ts"] + child["dur"] <= parent["ts"] + parent["dur"]
+        assert any(e["name"] == "backward head" for e in events)
+        assert any(e["name"].startswith("update b") for e in events)
+        iterations = [e for e in events if e["name"] == "iteration"]
+        assert len(iterations) == ITERATIONS
+        # the wire never runs before the queue hands the partition over
+        queued = {(e["args"]["iteration"], e["name"]): e for e in events if e["tid"] == "queue"}
+        for e in events:
+            if e["tid"] == "wire":
+                q = queued[(e["args"]["iteration"], e["name"])]
+                assert e["ts"] >= q["ts"] + q["dur"] - 1.0
+    text = report(tmp_path, png=tmp_path / "gantt.png")
+    assert "overlap" in text and f"median over {2 * ITERATIONS} rank-iterations" in text
+    assert (tmp_path / "gantt.png").stat().st_size > 10_000
+
+
+def test_report_without_traces_says_what_to_do(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"Strategy\(trace_dir="):
+        report(tmp_path)
