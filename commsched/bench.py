@@ -54,11 +54,11 @@ class Cell:
     batch_size: int
 
 
-def systems() -> dict[str, object]:
+def systems(trace_dir: str | None = None) -> dict[str, object]:
     chosen: dict[str, object] = {COMPUTE_ONLY: LOCAL, DDP: None}
     chosen.update({f"torch DDP, bucket_cap_mb={cap:g}": DDPSpec(cap) for cap in DDP_SWEEP_MB})
     chosen[UNSCHEDULED_NAME] = UNSCHEDULED
-    chosen[COMMSCHED] = Strategy()
+    chosen[COMMSCHED] = Strategy(trace_dir=trace_dir)
     return chosen
 
 
@@ -205,11 +205,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 # ------------------------------------------------------------------ driver
 def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup: int, repeats: int,
-             timeout_s: float) -> list[dict]:
+             timeout_s: float, trace_dir: Path | None = None) -> list[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out.mkdir(parents=True, exist_ok=True)
-    chosen = systems()
+    chosen = systems(None if trace_dir is None else str(trace_dir.resolve()))
     record: dict = {"systems": list(chosen), "cells": []}
     rows = []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -247,7 +247,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
     parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.1, 0.25, 1.0, 10.0])
     parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--batch-size", type=int, help="per host (default: 64 VGG, 32 ResNet, 16 Transformer)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int,
+                        help="per host, each a cell of its own (default: 64 VGG, 32 ResNet, 16 Transformer)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=5, help="per system per round")
     parser.add_argument("--warmup", type=int, default=6,
@@ -255,6 +256,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per cell")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="trace the commsched system into DIR (for `commsched trace-report`; "
+                             "tracing adds hooks, so its times are for diagnosis, not for the table)")
     return parser
 
 
@@ -268,9 +272,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     if args.quick:
         args.rates_gbit, args.hosts, args.repeats, args.rounds, args.iterations = [0.25, 1.0], [2], 1, 2, 3
-    cells = [Cell(m, r, h, args.batch_size or BATCH[m])
-             for m, h, r in itertools.product(args.models, args.hosts, args.rates_gbit)]
-    rows = run_grid(cells, args.out, args.rounds, args.iterations, args.warmup, args.repeats, args.timeout_s)
+    if any(h < 2 for h in args.hosts) or any(not r > 0 for r in args.rates_gbit):
+        print("commsched bench: --hosts must be at least 2 and --rates-gbit greater than 0", file=sys.stderr)
+        return 2
+    cells = [Cell(m, r, h, b)
+             for m, h, r in itertools.product(args.models, args.hosts, args.rates_gbit)
+             for b in (args.batch_sizes or [BATCH[m]])]
+    rows = run_grid(cells, args.out, args.rounds, args.iterations, args.warmup, args.repeats, args.timeout_s,
+                    args.trace)
     print(markdown(rows))
     print(f"every run: {args.out / 'runs.json'}; table: {args.out / 'results.md'}; plot: {args.out / 'speedup.png'}")
     return 0

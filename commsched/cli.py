@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("world_size", "batch_size", "iterations", "rounds"):
-        if getattr(args, name, 1) < 1:
+    for name in ("world_size", "batch_size", "iterations", "rounds", "repeats"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if hasattr(args, "bucket_cap_mb"):
         try:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -140,6 +141,11 @@ class GradientReducer:
         self._user_may_touch_grads = False
         self._grads_released = False
 
+        # Partitions are issued by the main thread (gradient hooks) and, when credit
+        # comes back, by communication threads: one at a time, in plan order.
+        self._issue_lock = threading.Lock()
+        self._issuing_thread: int | None = None
+        self._issue_error: Exception | None = None
         self._tracer: Tracer | None = None
         self._ready_us: list[float] = []
         if strategy.trace_dir is not None:
@@ -398,8 +404,9 @@ class GradientReducer:
             self._profile.bucket_ready(bucket_index)
         if self._tracer is not None:
             self._ready_us[bucket_index] = now_us()
-        self._executor.mark_ready(bucket_index)
-        self._executor.pump(self._launch_partition, _is_completed)
+        with self._issuing():
+            self._executor.mark_ready(bucket_index)
+            self._executor.pump(self._launch_partition, _is_completed)
 
     def _launch_partition(self, partition: Partition) -> Handle:
         if self._profiling:
@@ -408,7 +415,35 @@ class GradientReducer:
         self._handles[partition.bucket].append(handle)
         if self._tracer is not None:
             self._trace_partition(partition, handle)
+        if self.strategy.credit_bytes is not None and self.world_size > 1:
+            handle.on_complete(self._on_partition_complete)
         return handle
+
+    def _on_partition_complete(self) -> None:
+        """Runs on a communication thread: returned credit may let the next partition go.
+
+        Without this, credit would only come back at the next gradient hook, and
+        the link would idle through a long layer's backward computation.
+        """
+        if self.phase is not Phase.BACKWARD or self._issuing_thread == threading.get_ident():
+            # Everything is issued at the end of backward anyway; or the partition
+            # completed before its callback was attached, inside our own pump.
+            return
+        with self._issuing():
+            try:
+                if self.phase is Phase.BACKWARD:
+                    self._executor.pump(self._launch_partition, _is_completed)
+            except Exception as error:  # noqa: BLE001 - surfaced on the main thread
+                self._issue_error = error
+
+    @contextmanager
+    def _issuing(self) -> Iterator[None]:
+        with self._issue_lock:
+            self._issuing_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._issuing_thread = None
 
     def _trace_partition(self, partition: Partition, handle: Handle) -> None:
         tracer, issued = self._tracer, now_us()
@@ -425,7 +460,11 @@ class GradientReducer:
         if not all(self._ready):
             self._resolve_unready_parameters()
         self._bucket_ready(self._flags_bucket)
-        self._executor.pump(self._launch_partition, _is_completed, ignore_credit=True)
+        with self._issuing():
+            self._executor.pump(self._launch_partition, _is_completed, ignore_credit=True)
+        if self._issue_error is not None:
+            error, self._issue_error = self._issue_error, None
+            raise error
         assert self._executor.done, "every partition must be issued by the end of backward"
         if not self._overlap_now:
             for bucket in range(len(self.buckets)):
