@@ -6,8 +6,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from commsched.reducer import GradientReducer
 
 
@@ -39,6 +37,3 @@ class CommschedModule:
         """The gradient buckets, in launch order (for inspection and logs)."""
         return list(self._commsched_reducer.buckets)
 
-
-def is_prepared(module: torch.nn.Module) -> bool:
-    return isinstance(module, CommschedModule)

@@ -188,7 +188,6 @@ class GradientReducer:
         ]
         self._views = [torch.empty(0)] * self._num_slots
         self._bucket_of = [0] * self._num_slots
-        self._bucket_slots = bucket_slots
         for bucket, slots in zip(self.buckets, bucket_slots):
             for slot, view in zip(slots, bucket.grad_views):
                 self._views[slot] = view

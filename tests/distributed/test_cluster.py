@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,7 +25,15 @@ connection.sendall(b"x")
 
 SENDER = """
 import socket, sys, time
-connection = socket.create_connection((sys.argv[1], 5001), timeout=30)
+deadline = time.monotonic() + 20
+while True:  # the receiver may not be listening yet
+    try:
+        connection = socket.create_connection((sys.argv[1], 5001), timeout=30)
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
 payload = b"x" * (1 << 20)
 start = time.perf_counter()
 for _ in range(int(sys.argv[2])):
@@ -76,7 +83,6 @@ def test_tear_down_also_on_error():
 def test_link_is_shaped_to_its_rate():
     with EmulatedCluster(2, LinkSpec(rate_mbit=40)) as cluster:
         receiver = cluster.popen(1, [sys.executable, "-c", RECEIVER])
-        time.sleep(0.3)
         sender = cluster.popen(0, [sys.executable, "-c", SENDER, cluster.address(1), "4"],
                                stdout=subprocess.PIPE, text=True)
         out, _ = sender.communicate(timeout=60)
