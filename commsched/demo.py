@@ -46,7 +46,8 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
         "losses agree to 4 decimals: " + ("[green]yes[/green]" if agree else "[red]NO[/red]")
     )
     console.print(
-        "Loopback has no network bottleneck, so there is little for scheduling to hide here; "
-        "benchmarks/cluster_compare.py measures emulated hosts with shaped links."
+        "Loopback has no network bottleneck: communication here costs CPU, not link time, so "
+        "scheduling has little to hide and small models pay for its extra collectives. "
+        "`commsched bench` (root) measures emulated hosts with shaped links; docs/benchmarks.md."
     )
     return agree
