@@ -40,9 +40,13 @@ def make_partitions(
     bucket_priorities: Sequence[int],
     partition_bytes: int | None,
 ) -> list[Partition]:
-    """Cut every bucket into slices of at most ``partition_bytes`` (whole if None).
+    """Cut every bucket into slices of about ``partition_bytes`` (whole if None).
 
-    Slices are as equal as possible, so no tiny tail partition travels alone.
+    The number of slices is the bucket's size over ``partition_bytes``, rounded to
+    the nearest (at least one), and slices are as equal as possible: no slice is
+    larger than 1.5 times ``partition_bytes`` (or one element), and a bucket just
+    over the size, as size-based buckets usually are, is not cut into two halves
+    that would cost two collectives instead of one.
     """
     partitions: list[Partition] = []
     for bucket, (numel, size, priority) in enumerate(
@@ -51,8 +55,8 @@ def make_partitions(
         if partition_bytes is None:
             pieces = 1
         else:
-            most_elements = max(1, partition_bytes // size)
-            pieces = max(1, -(-numel // most_elements))
+            target_elements = max(1, partition_bytes // size)
+            pieces = min(numel, max(1, int(numel / target_elements + 0.5)))
         for piece in range(pieces):
             start, end = numel * piece // pieces, numel * (piece + 1) // pieces
             partitions.append(Partition(len(partitions), bucket, start, end, (end - start) * size, priority))

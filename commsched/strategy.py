@@ -38,9 +38,9 @@ class Strategy:
     gradients become ready."""
 
     partition_mb: float | None = 1.0
-    """Largest unit on the wire, in MiB: buckets are cut into zero-copy slices of
-    at most this size so an urgent partition can overtake a large bucket between
-    two of its slices. ``None`` sends each bucket whole."""
+    """The unit on the wire, in MiB: buckets are cut into zero-copy slices of about
+    this size (at most 1.5 times it) so an urgent partition can overtake a large
+    bucket between two of its slices. ``None`` sends each bucket whole."""
 
     credit_mb: float | None = 4.0
     """Most bytes in flight during the backward pass, in MiB: a partition is

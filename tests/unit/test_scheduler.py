@@ -33,15 +33,19 @@ def test_partitions_tile_every_bucket_within_the_size(numels, partition_bytes):
         if partition_bytes is None:
             assert len(mine) == 1
         else:
-            # no piece above the limit unless one element is already larger
-            assert all(p.nbytes <= max(partition_bytes, 4) for p in mine)
+            # about the partition size: never above 1.5 times it (or one element)
+            assert all(p.nbytes <= max(1.5 * partition_bytes, 4) for p in mine)
+            # and never cut when the bucket is within a quarter of the size
+            if numel * 4 <= 1.25 * partition_bytes:
+                assert len(mine) == 1
             # pieces are as equal as possible: at most one element apart
             sizes = [p.end - p.start for p in mine]
             assert max(sizes) - min(sizes) <= 1
 
 
 def test_fifo_plan_is_bucket_order():
-    partitions = make_partitions([10, 10], [4, 4], [5, 0], 16)
+    partitions = make_partitions([10, 10], [4, 4], [5, 0], 12)
+    assert [p.bucket for p in partitions] == [0, 0, 0, 1, 1, 1]
     assert fifo_plan(partitions) == [0, 1, 2, 3, 4, 5]
 
 
