@@ -41,6 +41,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -145,12 +146,15 @@ class GradientReducer:
         # comes back, by communication threads: one at a time, in plan order.
         self._issue_lock = threading.Lock()
         self._issuing_thread: int | None = None
+        self._callbacks_done = threading.Condition()
+        self._callbacks_pending = 0
         self._issue_error: Exception | None = None
         self._tracer: Tracer | None = None
         self._ready_us: list[float] = []
         if strategy.trace_dir is not None:
             self._tracer = Tracer(strategy.trace_dir, dist.get_rank(process_group))
             atexit.register(self._tracer.write)
+        atexit.register(_drain_at_exit, weakref.ref(self))  # runs before the trace is written
 
         self._modules = list(module.modules())
         self._fingerprint = self._take_fingerprint()
@@ -251,6 +255,7 @@ class GradientReducer:
     def close(self) -> None:
         """Remove every hook; the model trains as a plain local module afterwards."""
         self.synchronize()
+        self.drain_callbacks()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
@@ -415,7 +420,7 @@ class GradientReducer:
         if self._tracer is not None:
             self._trace_partition(partition, handle)
         if self.strategy.credit_bytes is not None and self.world_size > 1:
-            handle.on_complete(self._on_partition_complete)
+            self._when_complete(handle, self._on_partition_complete)
         return handle
 
     def _on_partition_complete(self) -> None:
@@ -435,6 +440,33 @@ class GradientReducer:
             except Exception as error:  # noqa: BLE001 - surfaced on the main thread
                 self._issue_error = error
 
+    def _when_complete(self, handle: Handle, callback) -> None:
+        """Run ``callback`` when ``handle`` completes, counted until it has run.
+
+        [Note: callbacks at exit] Completion callbacks are Python code run by a
+        communication thread. One still waiting for the interpreter lock while
+        the process exits would be torn down mid-call, which aborts the process;
+        `drain_callbacks` (also run at exit) waits until none is pending.
+        """
+        with self._callbacks_done:
+            self._callbacks_pending += 1
+
+        def counted() -> None:
+            try:
+                callback()
+            finally:
+                with self._callbacks_done:
+                    self._callbacks_pending -= 1
+                    if not self._callbacks_pending:
+                        self._callbacks_done.notify_all()
+
+        handle.on_complete(counted)
+
+    def drain_callbacks(self, timeout_s: float = 10.0) -> None:
+        """Wait until every completion callback has run (see [Note: callbacks at exit])."""
+        with self._callbacks_done:
+            self._callbacks_done.wait_for(lambda: not self._callbacks_pending, timeout=timeout_s)
+
     @contextmanager
     def _issuing(self) -> Iterator[None]:
         with self._issue_lock:
@@ -448,7 +480,7 @@ class GradientReducer:
         tracer, issued = self._tracer, now_us()
         name = f"P{partition.pid} b{partition.bucket}"
         tracer.span("queue", name, self._ready_us[partition.bucket], issued, bytes=partition.nbytes)
-        handle.on_complete(lambda: tracer.span("wire", name, issued, now_us(), bytes=partition.nbytes,
+        self._when_complete(handle, lambda: tracer.span("wire", name, issued, now_us(), bytes=partition.nbytes,
                                                priority=partition.priority))
 
     def _end_backward(self) -> None:
@@ -642,6 +674,12 @@ class GradientReducer:
             "(adding, removing, replacing, freezing or resizing parameters) before "
             "calling commsched.prepare()."
         )
+
+
+def _drain_at_exit(reducer_ref: weakref.ref) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.drain_callbacks()
 
 
 def _is_completed(handle: Handle) -> bool:

@@ -96,8 +96,9 @@ def test_commsched_trains_across_hosts():
         procs = [cluster.popen(h, [sys.executable, "-c", TRAINER], cluster.torch_env(h, port=29611),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in range(2)]
         outputs = [p.communicate(timeout=120) for p in procs]
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0 and out.strip() == "ok", err[-2000:]
+    for host, (proc, (out, err)) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0 and out.strip() == "ok", (
+            f"host {host} exited with {proc.returncode}\nstdout: {out[-500:]}\nstderr: {err[-3000:]}")
 
 
 def test_bench_runs_one_cell_with_torchrun_on_every_host():
