@@ -164,8 +164,13 @@ def hung_peer(rank: int, world_size: int) -> float | None:
     train_step(model, optimizer)
     if rank == 1:
         time.sleep(8)
-        with pytest.raises(commsched.CommunicationTimeout):
+        # Rank 0 has given up and left. Whether this rank's reduction still completes
+        # (rank 0's half may already sit in its socket) or fails is up to timing; it
+        # must not hang, which the harness's timeout checks.
+        try:
             train_step(model, optimizer)
+        except commsched.CommunicationTimeout:
+            pass
         return None
     start = time.monotonic()
     with pytest.raises(commsched.CommunicationTimeout, match=r"all-reduce of gradient bucket \d+ .* within 2 s"):
