@@ -10,8 +10,8 @@ Rows (``tid``) of one rank's process:
   completion callback, so the time is when it really finished);
 - ``update``: per bucket, its optimizer update.
 
-Tracing is off unless ``Strategy(trace_dir=...)`` or ``COMMSCHED_TRACE_DIR``
-is set; off, the hot path pays one ``is None`` test per event.
+Tracing is off unless ``Strategy(trace_dir=...)`` is set; off, the hot path
+pays one ``is None`` test per event.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Tracer:
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # completion callbacks run on communication threads
         self._open: dict[tuple[str, int], float] = {}
+        self._written = -1
 
     def span(self, row: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
         event = {"name": name, "ph": "X", "pid": self.rank, "tid": row, "ts": start_us,
@@ -93,10 +94,16 @@ class Tracer:
             self.end("compute", -owner[0], f"backward {owner[1]}")
 
     def write(self) -> Path:
+        """Write every event so far; atomically, so a reader never sees half a file."""
         with self._lock:
             events = list(self._events)
+        if len(events) == self._written:
+            return self.path
+        self._written = len(events)
         metadata = [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": row, "args": {"name": row}}
                     for row in ROWS]
         metadata.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
-        self.path.write_text(json.dumps({"traceEvents": metadata + events, "displayTimeUnit": "ms"}))
+        partial = self.path.with_suffix(f".json.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"traceEvents": metadata + events, "displayTimeUnit": "ms"}))
+        os.replace(partial, self.path)
         return self.path
