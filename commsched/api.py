@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from commsched.backends.allreduce import AllReduceBackend
+from commsched.backends.ps import ParameterServerBackend
 from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
+from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.server import ParameterServer, ServerReport
 from commsched.reducer import GradientReducer
 from commsched.strategy import Strategy
+from commsched.updates import optimizer_kind
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -47,21 +52,86 @@ def prepare(
     if optimizer is not None:
         _check_optimizer(model, optimizer)
     group = _resolve_process_group(process_group)
+    if strategy.parameter_server:
+        _check_parameter_server_setup(optimizer, group)
 
     descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
     descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
     verify_same_across_ranks(descriptions, group)
     broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
 
-    reducer = GradientReducer(
-        model, optimizer, strategy, AllReduceBackend(group), group, _buffer_group(strategy, group)
-    )
+    if strategy.parameter_server:
+        reducer = _join_parameter_server_job(model, optimizer, strategy)
+    else:
+        reducer = GradientReducer(
+            model, optimizer, strategy, AllReduceBackend(group), group, _buffer_group(strategy, group)
+        )
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     if optimizer is not None:
         _mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
     return model, optimizer
+
+
+class ServingFinished(SystemExit):
+    """Raised by `prepare` on a parameter-server rank once every worker has finished.
+
+    A `SystemExit` with code 0: uncaught, the server process ends cleanly and
+    the training code after ``prepare()`` never runs there. ``report`` says
+    what the server did.
+    """
+
+    def __init__(self, report: ServerReport):
+        super().__init__(0)
+        self.report = report
+
+
+def _check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup) -> None:
+    if group is not dist.group.WORLD:
+        raise ValueError(
+            "Strategy(backend='ps') runs on the default process group (its last num_servers ranks "
+            "serve); call prepare() without process_group"
+        )
+    if optimizer is None:
+        raise ValueError(
+            "Strategy(backend='ps') needs the optimizer: the parameter servers run it. Pass the "
+            "optimizer to prepare()"
+        )
+    try:
+        optimizer_kind(optimizer)
+    except ValueError as error:
+        raise ValueError(
+            f"Strategy(backend='ps') runs the optimizer on the servers, which supports torch.optim.SGD, "
+            f"Adam and AdamW only: {error}. Use Strategy(backend='allreduce') for other optimizers"
+        ) from None
+
+
+def _join_parameter_server_job(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy
+) -> GradientReducer:
+    """Split the world into workers and servers; serve here, or return a worker's reducer."""
+    global _PS_JOBS
+    roles = PSRoles.of_world(strategy.num_servers)
+    # Every rank must create every group, servers included.
+    worker_group = dist.new_group(roles.workers)
+    buffer_group = None
+    if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
+        buffer_group = dist.new_group(roles.workers)
+    _PS_JOBS += 1
+    board = FailureBoard(f"commsched/ps/{_PS_JOBS}")
+    if roles.is_server:
+        report = ParameterServer(model, optimizer, strategy, roles, board).serve()
+        raise ServingFinished(report)
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    backend = ParameterServerBackend(strategy, roles, optimizer, params, board)
+    reducer = GradientReducer(model, optimizer, strategy, backend, worker_group, buffer_group)
+    atexit.register(backend.finish)
+    return reducer
+
+
+_PS_JOBS = 0
+"""Parameter-server jobs started by this process (every rank counts the same)."""
 
 
 def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:

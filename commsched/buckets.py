@@ -53,6 +53,23 @@ def compute_bucket_assignment_by_size(
     return result
 
 
+def bucket_layout(
+    params: Sequence[torch.Tensor], forward_order: Sequence[int], bucket_size_limits: Sequence[int]
+) -> tuple[list[list[int]], list[int]]:
+    """Buckets of parameter slots in reverse forward order, and each bucket's priority.
+
+    A bucket's priority is the forward position of its earliest parameter (lower
+    is more urgent). Workers and parameter servers both derive their layout
+    from this function, so it must stay deterministic.
+    """
+    backward_order = list(forward_order)[::-1]
+    forward_position = {slot: i for i, slot in enumerate(forward_order)}
+    assignment = compute_bucket_assignment_by_size([params[s] for s in backward_order], bucket_size_limits)
+    bucket_slots = [[backward_order[i] for i in indices] for indices in assignment]
+    priorities = [min(forward_position[s] for s in slots) for slots in bucket_slots]
+    return bucket_slots, priorities
+
+
 class Bucket:
     """One flat gradient buffer and the parameters whose gradients are views into it.
 

@@ -32,6 +32,13 @@ class CommschedModule:
         self._commsched_reducer.synchronize()
         return super().state_dict(*args, **kwargs)  # type: ignore[misc]
 
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load as torch does; with parameter servers, the new values are sent to them too."""
+        self._commsched_reducer.synchronize()
+        result = super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
+        self._commsched_reducer.after_module_load()
+        return result
+
     @property
     def commsched_buckets(self):
         """The gradient buckets, in launch order (for inspection and logs)."""

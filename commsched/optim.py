@@ -40,9 +40,12 @@ class CommschedOptimizer:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
-        self.synchronize()
+        """torch.optim's state dict; with parameter servers, their state is fetched first."""
+        self._commsched_reducer.before_optimizer_state_dict()
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch.optim does; with parameter servers, the state is sent to them too."""
         self.synchronize()
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._commsched_reducer.after_optimizer_load()

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commsched.backends.base import Backend, Handle
-from commsched.buckets import Bucket, compute_bucket_assignment_by_size
+from commsched.buckets import Bucket, bucket_layout
 from commsched.consistency import broadcast_from_rank0
 from commsched.order import ForwardRecorder, agree_on_order
 from commsched.planning import ReadyTimeProfile, plan_on_rank0
@@ -141,6 +141,7 @@ class GradientReducer:
         self._step_hyperparameters: list[dict] | None = None
         self._user_may_touch_grads = False
         self._grads_released = False
+        self._stepped = False
 
         # Partitions are issued by the main thread (gradient hooks) and, when credit
         # comes back, by communication threads: one at a time, in plan order.
@@ -177,17 +178,13 @@ class GradientReducer:
 
     def _build(self, forward_order: list[int], used_before_owner: set[int] = frozenset()) -> None:
         """Buckets in reverse forward order, their partitions, the plan and the gates."""
-        backward_order = forward_order[::-1]
-        forward_position = {slot: i for i, slot in enumerate(forward_order)}
-        assignment = compute_bucket_assignment_by_size(
-            [self._params[s] for s in backward_order], self.strategy.bucket_size_limits_bytes
-        )
-        bucket_slots = [[backward_order[i] for i in indices] for indices in assignment]
+        bucket_slots, priorities = bucket_layout(self._params, forward_order, self.strategy.bucket_size_limits_bytes)
         # The flags bucket holds the first parameter of the forward pass.
         self._flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
+        flags_numel = 0 if self.backend.server_side_update else self._num_slots
         self.buckets = [
             Bucket(b, [self._params[s] for s in slots],
-                   tail_numel=self._num_slots if b == self._flags_bucket else 0)
+                   tail_numel=flags_numel if b == self._flags_bucket else 0)
             for b, slots in enumerate(bucket_slots)
         ]
         self._views = [torch.empty(0)] * self._num_slots
@@ -202,8 +199,9 @@ class GradientReducer:
                     self._params[slot].grad = view
         self._bucket_param_counts = [len(s) for s in bucket_slots]
 
-        priorities = [min(forward_position[s] for s in slots) for slots in bucket_slots]
-        self.partitions = make_partitions(
+        self.partitions = self.backend.prepare_buckets(
+            forward_order, bucket_slots, priorities, self.buckets, self._has_grad
+        ) or make_partitions(
             [b.flat.numel() for b in self.buckets],
             [b.flat.element_size() for b in self.buckets],
             priorities,
@@ -214,7 +212,9 @@ class GradientReducer:
             self._profile = ReadyTimeProfile(len(self.buckets))
 
         wants_updater = self.strategy.fuse_optimizer or self.strategy.overlap_forward
-        if self.optimizer is not None and wants_updater and self._overlap_off_reason is None:
+        if self.backend.server_side_update:
+            self.updater = self.backend.make_updater()
+        elif self.optimizer is not None and wants_updater and self._overlap_off_reason is None:
             self.updater = BucketUpdater(
                 self.optimizer,
                 [b.params for b in self.buckets],
@@ -256,6 +256,7 @@ class GradientReducer:
         """Remove every hook; the model trains as a plain local module afterwards."""
         self.synchronize()
         self.drain_callbacks()
+        self.backend.finish()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
@@ -299,7 +300,9 @@ class GradientReducer:
             self._step_hyperparameters = None
             self._updated = [False] * len(self.buckets)
             self._outstanding = len(self.buckets)
-        if self._overlap_now:
+        if self.backend.server_side_update:
+            self._check_server_side_step()
+        elif self._overlap_now:
             self._check_gradients_untouched()
         if self.updater is None:
             self.synchronize()
@@ -311,6 +314,29 @@ class GradientReducer:
         if not self._overlap_now:
             self._note_gradient_changes_before_overlap()
             self.synchronize()
+
+    def _check_server_side_step(self) -> None:
+        """The servers updated with the gradients and hyper-parameters of backward() time."""
+        if self._iteration >= 0 and self._gradient_versions_changed():
+            raise RuntimeError(
+                "gradients were modified between backward() and step(), but with "
+                "Strategy(backend='ps') they were pushed to the servers during backward() and the "
+                "servers run the optimizer, so the change would be ignored. Gradient clipping and "
+                "AMP unscaling need the averaged gradients on the workers: use "
+                "Strategy(backend='allreduce') for them."
+            )
+        self.backend.check_hyperparameters_unchanged()
+        self._stepped = True
+
+    def before_optimizer_state_dict(self) -> None:
+        self.synchronize()
+        self.backend.fetch_optimizer_state()
+
+    def after_optimizer_load(self) -> None:
+        self.backend.push_optimizer_state()
+
+    def after_module_load(self) -> None:
+        self.backend.push_parameters()
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:
@@ -367,7 +393,16 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not self._sync_this_backward:
             return
+        if self.backend.server_side_update and self._iteration >= 0 and not self._stepped:
+            raise RuntimeError(
+                "backward() ran twice without optimizer.step() in between. With "
+                "Strategy(backend='ps') every synchronised backward() is an update on the servers; "
+                "accumulate gradients over micro-batches inside model.no_sync() and call "
+                "optimizer.step() after the last backward()."
+            )
+        self._stepped = False
         self._iteration += 1
+        plan = None
         if self._iteration == PLAN_ITERATION and self._profile is not None:
             started = time.perf_counter()
             plan = plan_on_rank0(self.partitions, self._profile, self.strategy.credit_bytes, self.process_group)
@@ -376,6 +411,7 @@ class GradientReducer:
                 "commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
                 len(plan), len(self.buckets), (time.perf_counter() - started) * 1e3,
             )
+        self.backend.begin_iteration(self._iteration, plan)
         n = len(self.buckets)
         self._pending = list(self._bucket_param_counts)
         self._executor.reset(n)
@@ -399,9 +435,9 @@ class GradientReducer:
 
     def _bucket_ready(self, bucket_index: int) -> None:
         bucket = self.buckets[bucket_index]
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.backend.server_side_update:
             bucket.flat[: bucket.grad_numel].div_(self.world_size)
-        if bucket_index == self._flags_bucket:
+        if bucket_index == self._flags_bucket and bucket.tail.numel():
             bucket.tail.copy_(torch.tensor(self._has_grad, dtype=bucket.dtype))
         self._launch_version[bucket_index] = bucket.flat._version
         if self._profiling:
@@ -419,7 +455,7 @@ class GradientReducer:
         self._handles[partition.bucket].append(handle)
         if self._tracer is not None:
             self._trace_partition(partition, handle)
-        if self.strategy.credit_bytes is not None and self.world_size > 1:
+        if self.strategy.credit_bytes is not None and not self.backend.is_local:
             self._when_complete(handle, self._on_partition_complete)
         return handle
 
@@ -553,6 +589,10 @@ class GradientReducer:
             self._reduced[flags] = True
         self._flags_settled = True
         if not self._unowned_grad_slots:
+            return
+        if self.backend.server_side_update:
+            # Workers keep their own gradients: a parameter this rank did not use keeps grad=None.
+            self._unowned_grad_slots = []
             return
         used_by_some_rank = self.buckets[flags].tail.tolist()
         unused = []

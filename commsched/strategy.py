@@ -71,6 +71,21 @@ class Strategy:
     stopped participating gives a ``CommunicationTimeout`` naming the bucket
     instead of a hang."""
 
+    backend: str = "allreduce"
+    """``"allreduce"``: every rank trains and gradients are averaged with
+    all-reduce. ``"ps"``: the last ``num_servers`` ranks of the world are
+    parameter servers; workers push gradient blocks to them, the servers apply
+    the optimizer and workers pull the new values (see docs/parameter_server.md)."""
+
+    num_servers: int = 1
+    """With ``backend="ps"``: how many ranks serve (the last ones of the world)."""
+
+    ps_mode: str = "sync"
+    """With ``backend="ps"``: ``"sync"`` waits for every worker's gradient of a
+    block, averages and updates once (the same parameters as single-process
+    training); ``"async"`` applies each worker's gradient (divided by the number
+    of workers) as it arrives, and workers pull whatever is newest."""
+
     def __post_init__(self) -> None:
         _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
         _check_positive_finite("first_bucket_mb", self.first_bucket_mb)
@@ -83,6 +98,20 @@ class Strategy:
             )
         for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
+        _check_choice("backend", self.backend, ("allreduce", "ps"))
+        _check_choice("ps_mode", self.ps_mode, ("sync", "async"))
+        if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < 1:
+            raise ValueError(f"Strategy.num_servers must be an integer >= 1, got {self.num_servers!r}")
+        if self.backend != "ps" and (self.num_servers != 1 or self.ps_mode != "sync"):
+            raise ValueError(
+                f"Strategy.num_servers and Strategy.ps_mode apply to backend='ps' only, got "
+                f"backend={self.backend!r} with num_servers={self.num_servers!r}, "
+                f"ps_mode={self.ps_mode!r}; set backend='ps' or leave them at their defaults"
+            )
+
+    @property
+    def parameter_server(self) -> bool:
+        return self.backend == "ps"
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
@@ -102,6 +131,11 @@ class Strategy:
         return None if self.partition_mb is None else max(1, int(self.partition_mb * MIB))
 
     @property
+    def ps_block_bytes(self) -> int:
+        """Target size of a parameter-server block: a partition, or a whole bucket without partitions."""
+        return self.partition_bytes or int(self.bucket_cap_mb * MIB)
+
+    @property
     def credit_bytes(self) -> int | None:
         return None if self.credit_mb is None else max(1, int(self.credit_mb * MIB))
 
@@ -119,6 +153,11 @@ def _check_positive_finite(name: str, value: object, optional: bool = False) -> 
     if not (math.isfinite(value) and value > 0):
         allowed = "None or finite and greater than 0" if optional else "finite and greater than 0"
         raise ValueError(f"Strategy.{name} must be {allowed}, got {value!r}")
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"Strategy.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:

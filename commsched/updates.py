@@ -53,6 +53,13 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def hyperparameter_snapshot(optimizer: torch.optim.Optimizer, kind: str) -> list[dict[str, object]]:
+    """The hyper-parameters of every param group of ``optimizer`` now."""
+    keys = _HYPERPARAMETERS[kind]
+    return [{k: group.get(k) for k in keys} | {"foreach": group.get("foreach"), "fused": group.get("fused")}
+            for group in optimizer.param_groups]
+
+
 @dataclass
 class _Segment:
     """The parameters of one bucket that belong to one param group."""
@@ -96,9 +103,7 @@ class BucketUpdater:
 
     def snapshot(self) -> list[dict[str, object]]:
         """The hyper-parameters of every group now (taken at ``step()``)."""
-        keys = _HYPERPARAMETERS[self.kind]
-        return [{k: group.get(k) for k in keys} | {"foreach": group.get("foreach"), "fused": group.get("fused")}
-                for group in self.optimizer.param_groups]
+        return hyperparameter_snapshot(self.optimizer, self.kind)
 
     @torch.no_grad()
     def update(self, bucket: int, hyperparameters: list[dict[str, object]], skip_slots: frozenset[int] = frozenset()) -> None:
@@ -173,3 +178,54 @@ class BucketUpdater:
             weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=hp["maximize"],
             **self._kernel_flags(hp),
         )
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """``"sgd"``, ``"adam"`` or ``"adamw"``; raises ValueError for any other optimizer."""
+    reason = unsupported_reason(optimizer)
+    if reason is not None:
+        raise ValueError(reason)
+    return _KINDS[_user_class(optimizer)]
+
+
+def _encoded_fields(kind: str) -> tuple[str, ...]:
+    if kind == "sgd":
+        return _HYPERPARAMETERS["sgd"]
+    return ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+def encoded_length(kind: str, num_groups: int) -> int:
+    return len(_encoded_fields(kind)) * num_groups
+
+
+def encode_hyperparameters(kind: str, snapshot: list[dict[str, object]]) -> list[float]:
+    """A `BucketUpdater.snapshot()` as numbers (to send a parameter server with each iteration)."""
+    values: list[float] = []
+    for group in snapshot:
+        flat = dict(group)
+        if kind != "sgd":
+            flat["beta1"], flat["beta2"] = group["betas"]
+            decoupled = group.get("decoupled_weight_decay")
+            flat["decoupled_weight_decay"] = -1.0 if decoupled is None else float(bool(decoupled))
+        values.extend(float(flat[name]) for name in _encoded_fields(kind))
+    return values
+
+
+def decode_hyperparameters(kind: str, values: list[float], num_groups: int) -> list[dict[str, object]]:
+    """The inverse of `encode_hyperparameters` (kernel choices left to the updater)."""
+    names = _encoded_fields(kind)
+    booleans = {"nesterov", "maximize", "amsgrad"}
+    groups: list[dict[str, object]] = []
+    for index in range(num_groups):
+        raw = dict(zip(names, values[index * len(names):(index + 1) * len(names)], strict=True))
+        group: dict[str, object] = {
+            name: bool(value) if name in booleans else value for name, value in raw.items()
+        }
+        if kind != "sgd":
+            group["betas"] = (group.pop("beta1"), group.pop("beta2"))
+            decoupled = group.pop("decoupled_weight_decay")
+            group["decoupled_weight_decay"] = None if decoupled < 0 else bool(decoupled)
+        group["foreach"] = None
+        group["fused"] = None
+        groups.append(group)
+    return groups

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import abc
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch.distributed as dist
 
 from commsched.buckets import Bucket
+from commsched.scheduler import Partition
 
 
 class CommunicationTimeout(RuntimeError):
@@ -56,10 +57,55 @@ class CompletedHandle:
 
 
 class Backend(abc.ABC):
-    """Launches the reduction of one bucket's flat buffer, in place."""
+    """Moves one partition of a bucket; the reducer decides which partition goes when."""
 
     world_size: int
+    """The number of data-parallel replicas (ranks that compute gradients)."""
+
+    server_side_update: bool = False
+    """False: `launch` averages the gradients in place and the optimizer runs here.
+    True: the optimizer runs elsewhere (parameter servers) and the new values
+    come back; the reducer then asks `make_updater` for the step that installs
+    them, and leaves gradients as this rank computed them."""
+
+    @property
+    def is_local(self) -> bool:
+        """True when nothing goes on the wire (a single replica, all-reduce)."""
+        return self.world_size == 1
 
     @abc.abstractmethod
     def launch(self, bucket: Bucket, start: int = 0, end: int | None = None) -> Handle:
-        """Start summing ``bucket.flat[start:end]`` over all ranks, in place; return at once."""
+        """Start communicating ``bucket.flat[start:end]``; return at once."""
+
+    def prepare_buckets(
+        self,
+        forward_order: Sequence[int],
+        bucket_slots: Sequence[Sequence[int]],
+        priorities: Sequence[int],
+        buckets: Sequence[Bucket],
+        has_grad: list[bool],
+    ) -> list[Partition] | None:
+        """Called once the buckets exist; return the partitions to use (None: the scheduler's)."""
+        return None
+
+    def make_updater(self):
+        """With `server_side_update`: the per-bucket step that installs received values."""
+        raise NotImplementedError
+
+    def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
+        """A synchronised backward pass starts (``new_plan``: the order just agreed, if it changed)."""
+
+    def check_hyperparameters_unchanged(self) -> None:
+        """At ``step()``: raise if the update already under way used other hyper-parameters."""
+
+    def finish(self) -> None:
+        """No more iterations: release peers waiting for this rank (idempotent)."""
+
+    def fetch_optimizer_state(self) -> None:
+        """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""
+
+    def push_optimizer_state(self) -> None:
+        """After ``optimizer.load_state_dict()``: send the loaded state to where it is used."""
+
+    def push_parameters(self) -> None:
+        """After ``model.load_state_dict()``: send the loaded values to where they are kept."""

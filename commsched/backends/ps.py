@@ -1,0 +1,386 @@
+"""Parameter-server backend, worker side: push gradient blocks, pull new values.
+
+Each partition the scheduler issues is one block of the sharding plan: the
+worker copies the block's gradient (and a trailer: iteration, per-parameter
+"has a gradient" flags) into a send buffer, posts the receive of the block's
+new values into a staging copy of the bucket, and sends. The block's handle
+completes when the new values have arrived, so the credit window covers the
+whole round trip. The "update" of a bucket, run where the all-reduce backend
+runs the optimizer (at a module's gate, or at ``step()`` without overlap), is
+the copy of the pulled values into the parameters.
+
+[Note: one waiter per receive] A gloo point-to-point ``Work`` reports neither
+completion (``is_completed()`` stays False until someone waits) nor a future,
+and only one thread may wait on it. So one thread per server waits on that
+server's receives, in issue order (the order the server answers them), and
+turns each into a `_Completion` that any thread can test, wait on with a
+timeout, or attach a callback to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from commsched.backends.base import Backend, CommunicationTimeout
+from commsched.buckets import Bucket
+from commsched.ps.protocol import (
+    ACK_TAG, HEADER_TAG, LAYOUT_TAG, PARAMS_TAG, PLAN_TAG, STATE_TAG, Command, make_header, pull_tag,
+    push_tag, state_message_length, trailer_length,
+)
+from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
+from commsched.scheduler import Partition
+from commsched.sharding import ShardingPlan, plan_model_sharding
+from commsched.strategy import Strategy
+from commsched.updates import encode_hyperparameters, hyperparameter_snapshot, optimizer_kind
+
+logger = logging.getLogger("commsched")
+
+
+class _Completion:
+    """A receive's outcome, set once by its waiter thread (see [Note: one waiter per receive])."""
+
+    __slots__ = ("done", "error", "_callbacks", "_lock")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self.error = error
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
+class _Waiter:
+    """The one thread that waits on one server's receives, in the order they were posted."""
+
+    def __init__(self, server_rank: int, timeout_s: float):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._thread = threading.Thread(
+            target=self._run, name=f"commsched-ps-wait-{server_rank}", daemon=True
+        )
+        self._thread.start()
+
+    def watch(self, work: dist.Work) -> _Completion:
+        completion = _Completion()
+        self._queue.put((work, completion))
+        return completion
+
+    def _run(self) -> None:
+        failed: BaseException | None = None
+        while True:
+            work, completion = self._queue.get()
+            if work is None:
+                return
+            if failed is None:
+                try:
+                    work.wait(timeout=self._timeout)
+                except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                    failed = error
+            completion.finish(failed)
+
+    def stop(self) -> None:
+        self._queue.put((None, None))
+
+
+class _BlockHandle:
+    """One block's push and pull; complete once the new values have arrived."""
+
+    __slots__ = ("_backend", "_completion", "_block", "_server")
+
+    def __init__(self, backend: ParameterServerBackend, completion: _Completion, block: int, server: int):
+        self._backend, self._completion = backend, completion
+        self._block, self._server = block, server
+
+    def wait(self, timeout_s: float) -> None:
+        completion = self._completion
+        if completion.done.wait(timeout_s) and completion.error is None:
+            return
+        self._backend.raise_lost(
+            f"the pull of block {self._block} from parameter server rank {self._server}",
+            completion.error, timeout_s,
+        )
+
+    def is_completed(self) -> bool:
+        return self._completion.done.is_set()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._completion.add_callback(callback)
+
+
+class PulledValues:
+    """The per-bucket "update" of the parameter-server backend: copy the pulled values in.
+
+    Same interface as `commsched.updates.BucketUpdater`, so the reducer gates
+    and steps exactly as with the all-reduce backend.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, stages: Sequence[Bucket]):
+        self._optimizer, self._kind, self._stages = optimizer, kind, stages
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return hyperparameter_snapshot(self._optimizer, self._kind)
+
+    @torch.no_grad()
+    def update(self, bucket: int, hyperparameters: object = None, skip_slots: frozenset[int] = frozenset()) -> None:
+        stage = self._stages[bucket]
+        for param, values in zip(stage.params, stage.grad_views, strict=True):
+            param.copy_(values)
+
+
+class ParameterServerBackend(Backend):
+    """Pushes blocks to their servers and pulls the new values back."""
+
+    server_side_update = True
+    is_local = False
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        roles: PSRoles,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+        board: FailureBoard,
+    ):
+        self.strategy = strategy
+        self.roles = roles
+        self.optimizer = optimizer
+        self.kind = optimizer_kind(optimizer)
+        self.params = list(params)
+        self.board = board
+        self.world_size = len(roles.workers)
+        self.plan: ShardingPlan | None = None
+        self._has_grad: list[bool] = []
+        self._stages: list[Bucket] = []
+        self._push_buffers: list[torch.Tensor] = []
+        self._push_works: list[dist.Work | None] = []
+        self._block_at: dict[tuple[int, int], int] = {}
+        self._header_works: list[dist.Work] = []
+        self._sent_hyperparameters: list[dict[str, object]] | None = None
+        self._iteration = -1
+        self._waiters = {rank: _Waiter(rank, strategy.timeout_s) for rank in roles.servers}
+        self._finished = False
+
+    # ----------------------------------------------------------------- layout
+    def prepare_buckets(
+        self,
+        forward_order: Sequence[int],
+        bucket_slots: Sequence[Sequence[int]],
+        priorities: Sequence[int],
+        buckets: Sequence[Bucket],
+        has_grad: list[bool],
+    ) -> list[Partition]:
+        """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers."""
+        if self.roles.rank == self.roles.workers[0]:
+            order = torch.tensor(list(forward_order), dtype=torch.int64)
+            for server in self.roles.servers:
+                dist.send(order, dst=server, tag=LAYOUT_TAG)
+        self.plan = plan_model_sharding(
+            self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
+        )
+        self._has_grad = has_grad
+        self._stages = [Bucket(bucket.index, bucket.params) for bucket in buckets]
+        self._push_buffers = [
+            torch.empty(block.end - block.start + trailer_length(len(segments)), dtype=buckets[block.bucket].dtype)
+            for block, segments in zip(self.plan.blocks, self.plan.segments, strict=True)
+        ]
+        self._push_works = [None] * len(self.plan.blocks)
+        self._block_at = {(block.bucket, block.start): block.pid for block in self.plan.blocks}
+        if self.roles.rank == self.roles.workers[0]:
+            logger.info("commsched: parameter-server sharding: %s", self.plan.summary(self.roles.servers))
+        return list(self.plan.blocks)
+
+    def make_updater(self) -> PulledValues:
+        return PulledValues(self.optimizer, self.kind, self._stages)
+
+    # -------------------------------------------------------------- iteration
+    def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
+        """Send every server this iteration's header (and the new plan, when it changes)."""
+        self._wait_all(self._header_works, "an iteration header")
+        self._iteration = iteration
+        self._sent_hyperparameters = hyperparameter_snapshot(self.optimizer, self.kind)
+        header = make_header(Command.PUSH, iteration, new_plan is not None,
+                             encode_hyperparameters(self.kind, self._sent_hyperparameters))
+        works = []
+        for server in self.roles.servers:
+            works.append(dist.isend(header, dst=server, tag=HEADER_TAG))
+            if new_plan is not None:
+                works.append(dist.isend(torch.tensor(list(new_plan), dtype=torch.int64), dst=server, tag=PLAN_TAG))
+        self._header_works = works
+
+    def check_hyperparameters_unchanged(self) -> None:
+        """At ``step()``: the servers used the hyper-parameters read when backward began."""
+        if self._sent_hyperparameters is None:
+            return
+        now = hyperparameter_snapshot(self.optimizer, self.kind)
+        if now != self._sent_hyperparameters:
+            raise RuntimeError(
+                "the optimizer's hyper-parameters changed between backward() and step(); with "
+                "Strategy(backend='ps') the servers apply the update with the values read when "
+                f"backward() began ({self._sent_hyperparameters}), not {now}. Change learning rates "
+                "(or step LR schedulers) after step() or before backward()."
+            )
+
+    def launch(self, bucket: Bucket, start: int = 0, end: int | None = None) -> _BlockHandle:
+        pid = self._block_at[(bucket.index, start)]
+        block, segments = self.plan.blocks[pid], self.plan.segments[pid]
+        server = self.roles.servers[self.plan.servers[pid]]
+        numel = block.end - block.start
+        previous = self._push_works[pid]
+        if previous is not None:  # long done: its pull has completed
+            self._wait_all([previous], f"the push of block {pid}")
+        buffer = self._push_buffers[pid]
+        buffer[:numel].copy_(bucket.flat[block.start:block.end])
+        buffer[numel] = self._iteration
+        buffer[numel + 1:] = torch.tensor([self._has_grad[s.slot] for s in segments], dtype=buffer.dtype)
+        receive = dist.irecv(self._stages[bucket.index].flat[block.start:block.end], src=server, tag=pull_tag(pid))
+        self._push_works[pid] = dist.isend(buffer, dst=server, tag=push_tag(pid))
+        return _BlockHandle(self, self._waiters[server].watch(receive), pid, server)
+
+    # ------------------------------------------------------ state and params
+    def fetch_optimizer_state(self) -> None:
+        """Copy the servers' optimizer state into ``optimizer.state`` (torch.optim's format)."""
+        if self.plan is None:
+            return
+        plan, family_keys = self.plan, STATE_TENSOR_KEYS["sgd" if self.kind == "sgd" else "adam"]
+        gathered: dict[int, dict[str, torch.Tensor]] = {}
+        for index, server in enumerate(self.roles.servers):
+            self._send_command(server, Command.GET_STATE)
+            for pid in plan.blocks_of(index):
+                block, segments = plan.blocks[pid], plan.segments[pid]
+                numel = block.end - block.start
+                message = torch.empty(state_message_length(self.kind, numel, len(segments)),
+                                      dtype=self._stages[block.bucket].dtype)
+                self._receive(message, server, STATE_TAG, f"the optimizer state of block {pid}")
+                for segment, state in zip(segments, unpack_block_state(self.kind, segments, message, numel)):
+                    param = self.params[segment.slot]
+                    target = gathered.setdefault(segment.slot, {})
+                    for key, value in state.items():
+                        if key in family_keys:
+                            full = target.setdefault(key, torch.zeros(param.numel(), dtype=param.dtype))
+                            full[segment.param_start:segment.param_start + segment.numel] = value
+                        else:
+                            target[key] = value
+        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        for slot, state in gathered.items():
+            param = self.params[slot]
+            if id(param) not in owned:
+                continue
+            if state:
+                self.optimizer.state[param] = {
+                    key: value.view_as(param) if key in family_keys else value for key, value in state.items()
+                }
+            else:
+                self.optimizer.state.pop(param, None)
+
+    def push_optimizer_state(self) -> None:
+        """Send ``optimizer.state`` (just loaded from a checkpoint) to the servers."""
+        if self.plan is None:
+            return
+        plan = self.plan
+        for index, server in enumerate(self.roles.servers):
+            self._send_command(server, Command.SET_STATE)
+            for pid in plan.blocks_of(index):
+                block, segments = plan.blocks[pid], plan.segments[pid]
+                states = []
+                for segment in segments:
+                    state = self.optimizer.state.get(self.params[segment.slot])
+                    states.append(None if not state else {
+                        key: (value.reshape(-1)[segment.param_start:segment.param_start + segment.numel]
+                              if isinstance(value, torch.Tensor) and value.dim() > 0 else value)
+                        for key, value in state.items()
+                    })
+                message = pack_block_state(self.kind, segments, states, block.end - block.start,
+                                           self._stages[block.bucket].dtype)
+                self._send(message, server, STATE_TAG, f"the optimizer state of block {pid}")
+            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, "the state acknowledgement")
+
+    @torch.no_grad()
+    def push_parameters(self) -> None:
+        """Send the workers' parameter values (just loaded from a checkpoint) to the servers."""
+        if self.plan is None:
+            return
+        plan = self.plan
+        for index, server in enumerate(self.roles.servers):
+            self._send_command(server, Command.SET_PARAMETERS)
+            for pid in plan.blocks_of(index):
+                block, segments = plan.blocks[pid], plan.segments[pid]
+                values = torch.cat([
+                    self.params[s.slot].detach().reshape(-1)[s.param_start:s.param_start + s.numel]
+                    for s in segments
+                ])
+                self._send(values, server, PARAMS_TAG, f"the values of block {pid}")
+            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, "the parameters acknowledgement")
+
+    def finish(self) -> None:
+        """Tell the servers this worker is done (idempotent; also run at exit)."""
+        if self._finished:
+            return
+        self._finished = True
+        self.board.mark_finished(self.roles.rank)
+        if self.plan is not None and dist.is_initialized():
+            try:
+                for server in self.roles.servers:
+                    self._send_command(server, Command.FINISH)
+            except CommunicationTimeout:
+                logger.warning("commsched: could not tell every parameter server that rank %d finished",
+                               self.roles.rank, exc_info=True)
+        for waiter in self._waiters.values():
+            waiter.stop()
+
+    # ---------------------------------------------------------------- helpers
+    def _send_command(self, server: int, command: Command) -> None:
+        self._wait_all(self._header_works, "an iteration header")
+        self._header_works = []
+        header = make_header(command, self._iteration, False, [0.0] * self._hyperparameter_count())
+        self._send(header, server, HEADER_TAG, f"a {command.name} command")
+
+    def _hyperparameter_count(self) -> int:
+        return len(encode_hyperparameters(self.kind, hyperparameter_snapshot(self.optimizer, self.kind)))
+
+    def _send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
+        self._wait_all([dist.isend(tensor, dst=server, tag=tag)], f"sending {what} to parameter server rank {server}")
+
+    def _receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
+        self._wait_all([dist.irecv(tensor, src=server, tag=tag)],
+                       f"receiving {what} from parameter server rank {server}")
+
+    def _wait_all(self, works: Sequence[dist.Work], what: str) -> None:
+        for work in works:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.strategy.timeout_s))
+            except RuntimeError as error:
+                self.raise_lost(what, error, self.strategy.timeout_s)
+
+    def raise_lost(self, what: str, error: BaseException | None, timeout_s: float) -> None:
+        """Raise `CommunicationTimeout` naming the rank that was lost, if a peer noted it."""
+        note = self.board.failure()
+        cause = f"a peer reported: {note}" if note else (
+            "the parameter server or another worker probably died, hung or raised an error; check its log"
+        )
+        detail = f" ({error})" if error is not None else ""
+        raise CommunicationTimeout(
+            f"worker rank {self.roles.rank}: {what} failed or did not finish within {timeout_s:g} s{detail}. "
+            f"{cause}. Raise Strategy.timeout_s if this legitimately takes longer."
+        ) from error

@@ -1,0 +1,132 @@
+"""Who serves and who trains, and the side channel that names a lost rank."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+logger = logging.getLogger("commsched")
+
+
+def server_ranks(world_size: int, num_servers: int) -> list[int]:
+    """The ranks that serve: the last ``num_servers`` of the world.
+
+    With torchrun, ranks are numbered node by node, so the last node(s) of
+    ``--nnodes`` (the highest ``--node-rank``) hold the servers: start the
+    server hosts with the highest node ranks and ``--nproc-per-node`` equal to
+    the number of servers on each.
+    """
+    if not 1 <= num_servers < world_size:
+        raise ValueError(
+            f"Strategy(backend='ps', num_servers={num_servers}) needs at least one worker besides "
+            f"the servers, but the world has {world_size} rank(s); launch at least "
+            f"{num_servers + 1} processes or lower num_servers"
+        )
+    return list(range(world_size - num_servers, world_size))
+
+
+def is_server_rank(num_servers: int, rank: int | None = None, world_size: int | None = None) -> bool:
+    """Whether ``rank`` (default: this process) is a parameter server.
+
+    Call it before building data loaders: on a server rank, ``prepare()``
+    serves until the workers finish and then ends the process.
+    """
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    return rank in server_ranks(world_size, num_servers)
+
+
+@dataclass(frozen=True)
+class PSRoles:
+    """This job's workers and servers (global ranks), and this process's place."""
+
+    workers: list[int]
+    servers: list[int]
+    rank: int
+
+    @classmethod
+    def of_world(cls, num_servers: int) -> PSRoles:
+        world_size = dist.get_world_size()
+        servers = server_ranks(world_size, num_servers)
+        return cls(list(range(world_size - num_servers)), servers, dist.get_rank())
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank in self.servers
+
+    @property
+    def server_index(self) -> int:
+        return self.servers.index(self.rank)
+
+    @property
+    def worker_index(self) -> int:
+        return self.workers.index(self.rank)
+
+    def describe(self, rank: int) -> str:
+        return f"{'server' if rank in self.servers else 'worker'} rank {rank}"
+
+
+class FailureBoard:
+    """Notes in the job's key-value store, readable by every rank.
+
+    A rank that sees a peer vanish writes who and when; every other rank, on its
+    own communication error, reads the note to name the rank that was really
+    lost (its own error only says which connection closed). Workers also note
+    here that they finished, so a server can tell a clean exit from a crash.
+    """
+
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        self._store = _default_store()
+
+    def report_failure(self, text: str) -> None:
+        if self._store is None:
+            return
+        try:
+            if not self._store.check([self._key("failure")]):
+                self._store.set(self._key("failure"), text)
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            logger.debug("commsched: could not record a failure note", exc_info=True)
+
+    def failure(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            if self._store.check([self._key("failure")]):
+                return self._store.get(self._key("failure")).decode()
+        except Exception:  # noqa: BLE001
+            return None
+        return None
+
+    def mark_finished(self, rank: int) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(self._key(f"finished/{rank}"), "1")
+        except Exception:  # noqa: BLE001
+            logger.debug("commsched: could not record that rank %d finished", rank, exc_info=True)
+
+    def finished(self, rank: int, wait_s: float) -> bool:
+        """Whether ``rank`` noted that it finished, waiting up to ``wait_s`` for the note."""
+        if self._store is None:
+            return False
+        try:
+            self._store.wait([self._key(f"finished/{rank}")], datetime.timedelta(seconds=wait_s))
+            return True
+        except Exception:  # noqa: BLE001 - timed out: it did not finish cleanly
+            return False
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+
+def _default_store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - no store: failure notes are best effort
+        return None

@@ -1,0 +1,396 @@
+"""The parameter server: receive blocks, apply the optimizer, answer with new values.
+
+A server rank holds, for each block placed on it, the block's values, its
+optimizer state (a private optimizer of the user's class over the block's
+segments, with the hyper-parameters the workers send each iteration) and one
+receive buffer per worker. One thread per worker receives that worker's
+messages in the order the worker sends them (see `commsched.ps.protocol`) and
+reports each to the main thread through a queue; the main thread applies
+updates and sends the new values:
+
+* ``sync``: when every worker's gradient of a block has arrived, sum them in
+  worker order, divide by the number of workers, update, send to all;
+* ``async``: apply each worker's gradient (divided by the number of workers)
+  as it arrives, and send the newest values back to that worker. Staleness (how
+  many other updates of the block landed between a worker's pull and its next
+  push) is counted and reported.
+
+A worker that disappears without having noted that it finished stops the
+server with an error naming it, which every other rank then reads (see
+`commsched.ps.roles.FailureBoard`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import statistics
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from commsched.buckets import bucket_layout
+from commsched.ps.protocol import (
+    ACK_TAG, HEADER_TAG, LAYOUT_TAG, PARAMS_TAG, PLAN_TAG, STATE_TAG, Command, header_length,
+    pull_tag, push_tag, state_message_length, trailer_length,
+)
+from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.state import pack_block_state, unpack_block_state
+from commsched.scheduler import fifo_plan
+from commsched.sharding import ShardingPlan, plan_model_sharding
+from commsched.strategy import Strategy
+from commsched.updates import (
+    BucketUpdater, decode_hyperparameters, encoded_length, optimizer_kind, _user_class,
+)
+
+logger = logging.getLogger("commsched")
+
+FINISH_NOTE_WAIT_S = 10.0
+"""How long a server waits for a vanished worker's "finished" note before calling it lost."""
+
+
+class ParameterServerError(RuntimeError):
+    """A worker was lost or the workers disagree; the server stops."""
+
+
+@dataclass
+class ServerReport:
+    """What one server did, returned by `ParameterServer.serve` and logged."""
+
+    rank: int
+    blocks: int
+    bytes: int
+    updates: int = 0
+    iterations: int = 0
+    staleness: list[int] = field(default_factory=list)
+
+    @property
+    def staleness_mean(self) -> float:
+        return statistics.fmean(self.staleness) if self.staleness else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.staleness, default=0)
+
+    def describe(self) -> str:
+        text = (f"parameter server rank {self.rank}: {self.blocks} blocks ({self.bytes / 1e6:.2f} MB), "
+                f"{self.iterations} iterations, {self.updates} block updates")
+        if self.staleness:
+            text += f", staleness mean {self.staleness_mean:.2f} max {self.staleness_max} updates"
+        return text
+
+
+class ParameterServer:
+    """Serves one rank's share of the blocks until every worker has finished."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy,
+        roles: PSRoles,
+        board: FailureBoard,
+    ):
+        self.strategy = strategy
+        self.roles = roles
+        self.board = board
+        self.optimizer = optimizer
+        self.kind = optimizer_kind(optimizer)
+        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        self.num_workers = len(roles.workers)
+        self.num_groups = len(optimizer.param_groups)
+        self._header_length = header_length(encoded_length(self.kind, self.num_groups))
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._timeout = datetime.timedelta(seconds=strategy.timeout_s)
+
+    # ------------------------------------------------------------------ setup
+    def _build(self, forward_order: list[int]) -> None:
+        bucket_slots, priorities = bucket_layout(self.params, forward_order, self.strategy.bucket_size_limits_bytes)
+        self.plan: ShardingPlan = plan_model_sharding(
+            self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
+        )
+        self.mine = self.plan.blocks_of(self.roles.server_index)
+        self._local = {pid: i for i, pid in enumerate(self.mine)}
+        self._initial_order = [pid for pid in fifo_plan(self.plan.blocks) if pid in self._local]
+        dtype_of = {pid: self.params[self.plan.segments[pid][0].slot].dtype for pid in self.mine}
+        with torch.no_grad():
+            self.values = {
+                pid: torch.cat([self.params[s.slot].detach().reshape(-1)[s.param_start:s.param_start + s.numel]
+                                for s in self.plan.segments[pid]]).clone()
+                for pid in self.mine
+            }
+        self.grads = {pid: torch.zeros_like(self.values[pid]) for pid in self.mine}
+        self.received = {
+            pid: [torch.zeros(self.values[pid].numel() + trailer_length(len(self.plan.segments[pid])),
+                              dtype=dtype_of[pid]) for _ in range(self.num_workers)]
+            for pid in self.mine
+        }
+        self._segment_views = {
+            pid: [self.values[pid][s.block_start:s.block_start + s.numel] for s in self.plan.segments[pid]]
+            for pid in self.mine
+        }
+        self._server_optimizer = self._make_server_optimizer()
+        self.updater = BucketUpdater(
+            self._server_optimizer,
+            [self._segment_views[pid] for pid in self.mine],
+            [[self.grads[pid][s.block_start:s.block_start + s.numel] for s in self.plan.segments[pid]]
+             for pid in self.mine],
+            [[s.slot for s in self.plan.segments[pid]] for pid in self.mine],
+            fused=self.strategy.fuse_optimizer,
+        )
+        self._pull_sends: dict[int, list[tuple[dist.Work, torch.Tensor, int]]] = {pid: [] for pid in self.mine}
+        self._arrived = {pid: 0 for pid in self.mine}
+        self._version = {pid: 0 for pid in self.mine}
+        self._pulled_version = {pid: [0] * self.num_workers for pid in self.mine}
+        self._hyperparameters: list[list[dict] | None] = [None] * self.num_workers
+        self._header_iteration = [-1] * self.num_workers
+
+    def _make_server_optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer class over this server's segments, group by group."""
+        group_of = {id(p): g for g, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        groups = [{k: v for k, v in group.items() if k != "params"} | {"params": []}
+                  for group in self.optimizer.param_groups]
+        for pid in self.mine:
+            for segment, view in zip(self.plan.segments[pid], self._segment_views[pid], strict=True):
+                group = group_of.get(id(self.params[segment.slot]))
+                if group is not None:
+                    groups[group]["params"].append(view)
+        return _user_class(self.optimizer)(groups)
+
+    # ------------------------------------------------------------------ serve
+    def serve(self) -> ServerReport:
+        """Receive the layout, then serve until every worker has finished."""
+        order = torch.empty(len(self.params), dtype=torch.int64)
+        self._wait(dist.irecv(order, src=self.roles.workers[0], tag=LAYOUT_TAG), None)
+        self._build(order.tolist())
+        report = ServerReport(self.roles.rank, len(self.mine), sum(self.plan.blocks[p].nbytes for p in self.mine))
+        self.report = report
+        logger.info("commsched: parameter server rank %d serves %d blocks (%s)", self.roles.rank,
+                    len(self.mine), self.plan.summary(self.roles.servers))
+        threads = [threading.Thread(target=self._receive_from, args=(w,), daemon=True,
+                                    name=f"commsched-ps-recv-{worker}")
+                   for w, worker in enumerate(self.roles.workers)]
+        for thread in threads:
+            thread.start()
+        finished: dict[int, int] = {}
+        while len(finished) < self.num_workers:
+            event = self._events.get()
+            kind, worker = event[0], event[1]
+            if kind == "push":
+                self._on_push(worker, event[2])
+            elif kind == "header":
+                self._on_header(worker, event[2], event[3], finished)
+            elif kind == "finish":
+                self._on_finish(worker, finished)
+            elif kind == "lost":
+                self._on_lost(worker, event[2], finished)
+        for thread in threads:
+            thread.join(timeout=FINISH_NOTE_WAIT_S)
+        for sends in self._pull_sends.values():
+            for work, _, _ in sends:
+                self._wait(work, self._timeout, quiet=True)
+        logger.info("commsched: %s", report.describe())
+        return report
+
+    def _receive_from(self, w: int) -> None:
+        """One worker's messages, in order; runs on its own thread."""
+        worker = self.roles.workers[w]
+        order = self._initial_order
+        try:
+            while True:
+                header = torch.empty(self._header_length, dtype=torch.float64)
+                self._wait(dist.irecv(header, src=worker, tag=HEADER_TAG), None)
+                command, iteration = Command(int(header[0])), int(header[1])
+                if command is Command.PUSH:
+                    if header[2]:
+                        plan = torch.empty(len(self.plan.blocks), dtype=torch.int64)
+                        self._wait(dist.irecv(plan, src=worker, tag=PLAN_TAG), self._timeout)
+                        order = [pid for pid in plan.tolist() if pid in self._local]
+                    receives = [(pid, dist.irecv(self.received[pid][w], src=worker, tag=push_tag(pid)))
+                                for pid in order]
+                    hyperparameters = decode_hyperparameters(self.kind, header[3:].tolist(), self.num_groups)
+                    self._events.put(("header", w, iteration, hyperparameters))
+                    for pid, work in receives:
+                        self._wait(work, self._timeout)
+                        self._events.put(("push", w, pid))
+                elif command is Command.FINISH:
+                    self._events.put(("finish", w))
+                    return
+                elif command is Command.GET_STATE:
+                    self._send_state(worker)
+                elif command is Command.SET_STATE:
+                    self._receive_state(worker)
+                elif command is Command.SET_PARAMETERS:
+                    self._receive_parameters(worker)
+        except BaseException as error:  # noqa: BLE001 - reported to the main thread
+            self._events.put(("lost", w, error))
+
+    # ----------------------------------------------------------------- events
+    def _on_header(self, w: int, iteration: int, hyperparameters: list[dict], finished: dict[int, int]) -> None:
+        self._hyperparameters[w] = hyperparameters
+        self._header_iteration[w] = iteration
+        self.report.iterations = max(self.report.iterations, iteration + 1)
+        if self.strategy.ps_mode == "sync":
+            for other, count in finished.items():
+                if iteration >= count:
+                    self._fail(
+                        f"worker rank {self.roles.workers[other]} finished after {count} synchronised "
+                        f"iterations while worker rank {self.roles.workers[w]} began iteration {iteration + 1}; "
+                        "with Strategy(ps_mode='sync') every worker must run the same number of iterations "
+                        "(give every rank the same number of batches, e.g. DistributedSampler(drop_last=True))"
+                    )
+
+    def _on_finish(self, w: int, finished: dict[int, int]) -> None:
+        finished[w] = self._header_iteration[w] + 1
+        if self.strategy.ps_mode == "sync":
+            for other in range(self.num_workers):
+                if other not in finished and self._header_iteration[other] >= finished[w]:
+                    self._on_header(other, self._header_iteration[other], self._hyperparameters[other], finished)
+
+    def _on_lost(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
+        worker = self.roles.workers[w]
+        if w not in finished and self.board.finished(worker, min(FINISH_NOTE_WAIT_S, self.strategy.timeout_s)):
+            self._on_finish(w, finished)  # it finished, then closed its connections
+            return
+        if w in finished:
+            return
+        self._fail(f"worker rank {worker} was lost by parameter server rank {self.roles.rank} "
+                   f"(after {self._header_iteration[w] + 1} iterations): {error}")
+
+    def _fail(self, text: str) -> None:
+        self.board.report_failure(text)
+        raise ParameterServerError(text)
+
+    def _on_push(self, w: int, pid: int) -> None:
+        if self.strategy.ps_mode == "async":
+            self._update_async(pid, w)
+            return
+        self._arrived[pid] += 1
+        if self._arrived[pid] == self.num_workers:
+            self._arrived[pid] = 0
+            self._update_sync(pid)
+
+    # ---------------------------------------------------------------- updates
+    def _check_trailer(self, pid: int, w: int, message: torch.Tensor, numel: int) -> None:
+        if int(message[numel]) != self._header_iteration[w]:
+            self._fail(f"block {pid} from worker rank {self.roles.workers[w]} belongs to iteration "
+                       f"{int(message[numel])}, expected {self._header_iteration[w]}: the workers and "
+                       "servers disagree on the protocol (different commsched versions?)")
+
+    def _update_sync(self, pid: int) -> None:
+        numel = self.values[pid].numel()
+        messages = self.received[pid]
+        grad = self.grads[pid]
+        grad.copy_(messages[0][:numel])
+        for message in messages[1:]:
+            grad.add_(message[:numel])
+        grad.div_(self.num_workers)
+        used = messages[0][numel + 1:].clone()
+        for w, message in enumerate(messages):
+            self._check_trailer(pid, w, message, numel)
+            if w:
+                used.add_(message[numel + 1:])
+        hyperparameters = self._hyperparameters[0]
+        for w in range(1, self.num_workers):
+            if self._hyperparameters[w] != hyperparameters:
+                self._fail(
+                    f"workers disagree on the optimizer's hyper-parameters: worker rank {self.roles.workers[0]} "
+                    f"sent {hyperparameters}, worker rank {self.roles.workers[w]} sent {self._hyperparameters[w]}; "
+                    "every worker must set the same learning rate (and other settings) each iteration"
+                )
+        skip = self._skipped(pid, used)
+        self._wait_pull_sends(pid)
+        with self._lock:
+            self.updater.update(self._local[pid], hyperparameters, skip)
+        self.report.updates += 1
+        self._pull_sends[pid] = [
+            (dist.isend(self.values[pid], dst=worker, tag=pull_tag(pid)), self.values[pid], worker)
+            for worker in self.roles.workers
+        ]
+
+    def _update_async(self, pid: int, w: int) -> None:
+        numel = self.values[pid].numel()
+        message = self.received[pid][w]
+        self._check_trailer(pid, w, message, numel)
+        torch.div(message[:numel], self.num_workers, out=self.grads[pid])
+        skip = self._skipped(pid, message[numel + 1:])
+        self.report.staleness.append(self._version[pid] - self._pulled_version[pid][w])
+        with self._lock:
+            self.updater.update(self._local[pid], self._hyperparameters[w], skip)
+            values = self.values[pid].clone()
+        self._version[pid] += 1
+        self.report.updates += 1
+        self._pulled_version[pid][w] = self._version[pid]
+        worker = self.roles.workers[w]
+        kept = []
+        for work, tensor, destination in self._pull_sends[pid]:
+            if destination == worker:  # long done: the worker has pushed again since
+                self._wait(work, self._timeout)
+            else:
+                kept.append((work, tensor, destination))
+        kept.append((dist.isend(values, dst=worker, tag=pull_tag(pid)), values, worker))
+        self._pull_sends[pid] = kept
+
+    def _skipped(self, pid: int, used: torch.Tensor) -> frozenset[int]:
+        flags = used.tolist()
+        return frozenset(s.slot for s, flag in zip(self.plan.segments[pid], flags, strict=True) if flag == 0)
+
+    def _wait_pull_sends(self, pid: int) -> None:
+        for work, _, _ in self._pull_sends[pid]:
+            self._wait(work, self._timeout)
+        self._pull_sends[pid] = []
+
+    # ---------------------------------------------------- state and parameters
+    def _send_state(self, worker: int) -> None:
+        with self._lock:
+            messages = []
+            for pid in self.mine:
+                states = [self._server_optimizer.state.get(view) for view in self._segment_views[pid]]
+                messages.append(pack_block_state(self.kind, self.plan.segments[pid], states,
+                                                 self.values[pid].numel(), self.values[pid].dtype))
+        for message in messages:
+            self._wait(dist.isend(message, dst=worker, tag=STATE_TAG), self._timeout)
+
+    def _receive_state(self, worker: int) -> None:
+        received = {}
+        for pid in self.mine:
+            message = torch.empty(state_message_length(self.kind, self.values[pid].numel(),
+                                                       len(self.plan.segments[pid])), dtype=self.values[pid].dtype)
+            self._wait(dist.irecv(message, src=worker, tag=STATE_TAG), self._timeout)
+            received[pid] = message
+        with self._lock:
+            for pid, message in received.items():
+                states = unpack_block_state(self.kind, self.plan.segments[pid], message, self.values[pid].numel())
+                for view, state in zip(self._segment_views[pid], states, strict=True):
+                    if state:
+                        self._server_optimizer.state[view] = state
+                    else:
+                        self._server_optimizer.state.pop(view, None)
+        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG), self._timeout)
+
+    def _receive_parameters(self, worker: int) -> None:
+        received = {}
+        for pid in self.mine:
+            message = torch.empty_like(self.values[pid])
+            self._wait(dist.irecv(message, src=worker, tag=PARAMS_TAG), self._timeout)
+            received[pid] = message
+        with self._lock:
+            for pid, message in received.items():
+                self.values[pid].copy_(message)
+        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG), self._timeout)
+
+    @staticmethod
+    def _wait(work: dist.Work, timeout: datetime.timedelta | None, quiet: bool = False) -> None:
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        except RuntimeError:
+            if not quiet:
+                raise
+
