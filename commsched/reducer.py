@@ -383,6 +383,13 @@ class GradientReducer:
             )
 
     def _begin_backward(self) -> None:
+        if self.backend.server_side_update and self._sync_enabled and self._iteration >= 0 and not self._stepped:
+            raise RuntimeError(
+                "backward() ran twice without optimizer.step() in between. With "
+                "Strategy(backend='ps') every synchronised backward() is an update on the servers; "
+                "accumulate gradients over micro-batches inside model.no_sync() and call "
+                "optimizer.step() after the last backward()."
+            )
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
         if not self.buckets:
@@ -393,13 +400,6 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not self._sync_this_backward:
             return
-        if self.backend.server_side_update and self._iteration >= 0 and not self._stepped:
-            raise RuntimeError(
-                "backward() ran twice without optimizer.step() in between. With "
-                "Strategy(backend='ps') every synchronised backward() is an update on the servers; "
-                "accumulate gradients over micro-batches inside model.no_sync() and call "
-                "optimizer.step() after the last backward()."
-            )
         self._stepped = False
         self._iteration += 1
         plan = None

@@ -7,7 +7,7 @@ A block is a contiguous slice of one bucket's flat buffer, cut at row
 boundaries of the parameters it spans (a row is ``param[i]``: a slice along the
 first dimension), so every piece of a parameter is itself a stack of whole
 rows, as PaddlePaddle's parameter-server transpiler cuts them. Blocks are about
-the partition size and never smaller than ``min_block_bytes`` (unless the
+the partition size and never smaller than `min_block_bytes_for` it (unless the
 bucket itself is smaller): a large parameter spans several blocks, and so
 several servers; small parameters that share a bucket share a block. Blocks
 are then placed largest first onto the least loaded server.
@@ -24,7 +24,16 @@ import torch
 from commsched.scheduler import Partition
 
 MIN_BLOCK_BYTES = 64 * 1024
-"""Smallest block worth a message of its own (a bucket smaller than this is one block)."""
+"""Smallest block worth a message of its own, unless smaller blocks are asked for."""
+
+
+def min_block_bytes_for(block_bytes: int) -> int:
+    """Blocks are at least half the target size, or 64 KiB if that is smaller.
+
+    Snapping cut points to row boundaries must not leave slivers that cost a
+    message each; an explicitly small target (tests, tiny models) is honoured.
+    """
+    return max(1, min(MIN_BLOCK_BYTES, block_bytes // 2))
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ def make_blocks(
     element_sizes: Sequence[int],
     bucket_priorities: Sequence[int],
     block_bytes: int,
-    min_block_bytes: int = MIN_BLOCK_BYTES,
+    min_block_bytes: int | None = None,
 ) -> tuple[list[Partition], list[list[Segment]]]:
     """Cut every bucket into row-aligned blocks of about ``block_bytes``.
 
@@ -102,6 +111,7 @@ def make_blocks(
     (``row_numels`` is its number of elements per first-dimension index);
     ``element_sizes`` and ``bucket_priorities`` are per bucket.
     """
+    min_block_bytes = min_block_bytes_for(block_bytes) if min_block_bytes is None else min_block_bytes
     if block_bytes <= 0 or min_block_bytes <= 0:
         raise ValueError(f"block sizes must be > 0 bytes, got {block_bytes} and {min_block_bytes}")
     blocks: list[Partition] = []
@@ -172,7 +182,7 @@ def plan_sharding(
     bucket_priorities: Sequence[int],
     block_bytes: int,
     num_servers: int,
-    min_block_bytes: int = MIN_BLOCK_BYTES,
+    min_block_bytes: int | None = None,
 ) -> ShardingPlan:
     """`make_blocks` then `place_blocks`."""
     blocks, segments = make_blocks(

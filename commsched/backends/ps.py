@@ -338,7 +338,6 @@ class ParameterServerBackend(Backend):
         if self._finished:
             return
         self._finished = True
-        self.board.mark_finished(self.roles.rank)
         if self.plan is not None and dist.is_initialized():
             try:
                 for server in self.roles.servers:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 from dataclasses import dataclass
 
@@ -74,8 +73,7 @@ class FailureBoard:
 
     A rank that sees a peer vanish writes who and when; every other rank, on its
     own communication error, reads the note to name the rank that was really
-    lost (its own error only says which connection closed). Workers also note
-    here that they finished, so a server can tell a clean exit from a crash.
+    lost (its own error only says which connection closed).
     """
 
     def __init__(self, prefix: str):
@@ -100,24 +98,6 @@ class FailureBoard:
         except Exception:  # noqa: BLE001
             return None
         return None
-
-    def mark_finished(self, rank: int) -> None:
-        if self._store is None:
-            return
-        try:
-            self._store.set(self._key(f"finished/{rank}"), "1")
-        except Exception:  # noqa: BLE001
-            logger.debug("commsched: could not record that rank %d finished", rank, exc_info=True)
-
-    def finished(self, rank: int, wait_s: float) -> bool:
-        """Whether ``rank`` noted that it finished, waiting up to ``wait_s`` for the note."""
-        if self._store is None:
-            return False
-        try:
-            self._store.wait([self._key(f"finished/{rank}")], datetime.timedelta(seconds=wait_s))
-            return True
-        except Exception:  # noqa: BLE001 - timed out: it did not finish cleanly
-            return False
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"

@@ -15,9 +15,15 @@ updates and sends the new values:
   many other updates of the block landed between a worker's pull and its next
   push) is counted and reported.
 
-A worker that disappears without having noted that it finished stops the
-server with an error naming it, which every other rank then reads (see
-`commsched.ps.roles.FailureBoard`).
+[Note: finished or lost] A worker normally ends with a FINISH message. One
+whose connection closes mid-iteration (between its header and its last push)
+is lost: the server stops at once with an error naming it, which every other
+rank then reads (see `commsched.ps.roles.FailureBoard`). One whose connection
+closes between iterations may have ended cleanly (``destroy_process_group()``
+before exit) or crashed: it counts as finished after the iterations it
+completed, so in ``sync`` mode another worker beginning a later iteration
+stops the server with an error naming it, while the end of training (every
+worker gone) is clean. ``async`` training goes on without it (logged).
 """
 
 from __future__ import annotations
@@ -48,8 +54,7 @@ from commsched.updates import (
 
 logger = logging.getLogger("commsched")
 
-FINISH_NOTE_WAIT_S = 10.0
-"""How long a server waits for a vanished worker's "finished" note before calling it lost."""
+THREAD_JOIN_S = 10.0
 
 
 class ParameterServerError(RuntimeError):
@@ -177,6 +182,7 @@ class ParameterServer:
         for thread in threads:
             thread.start()
         finished: dict[int, int] = {}
+        self._how_finished: dict[int, str] = {}
         while len(finished) < self.num_workers:
             event = self._events.get()
             kind, worker = event[0], event[1]
@@ -185,11 +191,14 @@ class ParameterServer:
             elif kind == "header":
                 self._on_header(worker, event[2], event[3], finished)
             elif kind == "finish":
-                self._on_finish(worker, finished)
+                self._on_finish(worker, finished, "finished")
+            elif kind == "gone":
+                self._on_gone(worker, event[2], finished)
             elif kind == "lost":
-                self._on_lost(worker, event[2], finished)
+                self._fail(f"worker rank {self.roles.workers[worker]} was lost by parameter server rank "
+                           f"{self.roles.rank} during iteration {self._header_iteration[worker] + 1}: {event[2]}")
         for thread in threads:
-            thread.join(timeout=FINISH_NOTE_WAIT_S)
+            thread.join(timeout=THREAD_JOIN_S)
         for sends in self._pull_sends.values():
             for work, _, _ in sends:
                 self._wait(work, self._timeout, quiet=True)
@@ -200,10 +209,13 @@ class ParameterServer:
         """One worker's messages, in order; runs on its own thread."""
         worker = self.roles.workers[w]
         order = self._initial_order
+        between_iterations = True
         try:
             while True:
                 header = torch.empty(self._header_length, dtype=torch.float64)
+                between_iterations = True
                 self._wait(dist.irecv(header, src=worker, tag=HEADER_TAG), None)
+                between_iterations = False
                 command, iteration = Command(int(header[0])), int(header[1])
                 if command is Command.PUSH:
                     if header[2]:
@@ -227,7 +239,7 @@ class ParameterServer:
                 elif command is Command.SET_PARAMETERS:
                     self._receive_parameters(worker)
         except BaseException as error:  # noqa: BLE001 - reported to the main thread
-            self._events.put(("lost", w, error))
+            self._events.put(("gone" if between_iterations else "lost", w, error))
 
     # ----------------------------------------------------------------- events
     def _on_header(self, w: int, iteration: int, hyperparameters: list[dict], finished: dict[int, int]) -> None:
@@ -237,29 +249,40 @@ class ParameterServer:
         if self.strategy.ps_mode == "sync":
             for other, count in finished.items():
                 if iteration >= count:
-                    self._fail(
-                        f"worker rank {self.roles.workers[other]} finished after {count} synchronised "
-                        f"iterations while worker rank {self.roles.workers[w]} began iteration {iteration + 1}; "
-                        "with Strategy(ps_mode='sync') every worker must run the same number of iterations "
-                        "(give every rank the same number of batches, e.g. DistributedSampler(drop_last=True))"
-                    )
+                    self._fail_uneven(other, count, f"worker rank {self.roles.workers[w]} began iteration {iteration + 1}")
 
-    def _on_finish(self, w: int, finished: dict[int, int]) -> None:
+    def _fail_uneven(self, w: int, count: int, meanwhile: str) -> None:
+        worker, how = self.roles.workers[w], self._how_finished[w]
+        if how == "finished":
+            self._fail(
+                f"worker rank {worker} finished after {count} synchronised iterations while {meanwhile}; "
+                "with Strategy(ps_mode='sync') every worker must run the same number of iterations "
+                "(give every rank the same number of batches, e.g. DistributedSampler(drop_last=True))"
+            )
+        self._fail(
+            f"worker rank {worker} was lost: its connection to parameter server rank {self.roles.rank} "
+            f"closed after {count} iterations without finishing ({how}), while {meanwhile}"
+        )
+
+    def _on_finish(self, w: int, finished: dict[int, int], how: str) -> None:
         finished[w] = self._header_iteration[w] + 1
+        self._how_finished[w] = how
+        if self.strategy.ps_mode == "sync" and any(self._arrived.values()):
+            self._fail_uneven(w, finished[w], "other workers' gradients of the next iteration had arrived")
         if self.strategy.ps_mode == "sync":
             for other in range(self.num_workers):
                 if other not in finished and self._header_iteration[other] >= finished[w]:
                     self._on_header(other, self._header_iteration[other], self._hyperparameters[other], finished)
 
-    def _on_lost(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
-        worker = self.roles.workers[w]
-        if w not in finished and self.board.finished(worker, min(FINISH_NOTE_WAIT_S, self.strategy.timeout_s)):
-            self._on_finish(w, finished)  # it finished, then closed its connections
-            return
-        if w in finished:
-            return
-        self._fail(f"worker rank {worker} was lost by parameter server rank {self.roles.rank} "
-                   f"(after {self._header_iteration[w] + 1} iterations): {error}")
+    def _on_gone(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
+        """Its connection closed between iterations; see [Note: finished or lost]."""
+        logger.warning(
+            "commsched: worker rank %d closed its connection to parameter server rank %d between "
+            "iterations without finishing (%s): %s", self.roles.workers[w], self.roles.rank, error,
+            "training goes on without it" if self.strategy.ps_mode == "async" else
+            "the end of training if every worker does the same, an error if another goes on",
+        )
+        self._on_finish(w, finished, str(error))
 
     def _fail(self, text: str) -> None:
         self.board.report_failure(text)

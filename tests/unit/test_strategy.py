@@ -56,3 +56,29 @@ def test_optional_sizes_accept_none_and_reject_bad_values(field):
 def test_scheduling_flags_must_be_bools(field):
     with pytest.raises(ValueError, match=rf"Strategy.{field} must be True or False"):
         Strategy(**{field: 1})
+
+
+def test_parameter_server_fields_are_validated():
+    strategy = Strategy(backend="ps", num_servers=2, ps_mode="async")
+    assert strategy.parameter_server and strategy.ps_block_bytes == MIB
+    assert Strategy(backend="ps", partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+    with pytest.raises(ValueError, match=r"Strategy.backend must be one of 'allreduce', 'ps', got 'nccl'"):
+        Strategy(backend="nccl")
+    with pytest.raises(ValueError, match=r"Strategy.ps_mode must be one of 'sync', 'async', got 'lazy'"):
+        Strategy(backend="ps", ps_mode="lazy")
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"Strategy.num_servers must be an integer >= 1"):
+            Strategy(backend="ps", num_servers=bad)
+    with pytest.raises(ValueError, match=r"apply to backend='ps' only"):
+        Strategy(num_servers=2)
+    with pytest.raises(ValueError, match=r"apply to backend='ps' only"):
+        Strategy(ps_mode="async")
+
+
+def test_server_ranks_are_the_last_ones():
+    from commsched.ps import is_server_rank, server_ranks
+
+    assert server_ranks(5, 2) == [3, 4]
+    assert is_server_rank(2, rank=4, world_size=5) and not is_server_rank(2, rank=2, world_size=5)
+    with pytest.raises(ValueError, match=r"needs at least one worker besides the servers"):
+        server_ranks(2, 2)

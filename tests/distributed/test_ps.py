@@ -1,0 +1,296 @@
+"""The parameter-server backend gives single-process training's parameters.
+
+Same cases as the all-reduce parity grid, for 2 and 3 workers with 1 and 2
+servers: each group of spawned ranks runs every case; on server ranks
+``prepare()`` serves and ends with `ServingFinished`, which the cases catch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import commsched
+from commsched.api import ServingFinished
+from commsched.testing import run_subtests
+from commsched.testing.models import BatchNormNet
+from tests.distributed.test_allreduce_parity import (
+    OPTIMIZERS, batches, fresh_pair, rank_slice, reference_backward, reference_step, uses_aux,
+)
+
+pytestmark = pytest.mark.distributed
+
+PS_STRATEGIES = {
+    "default": {},
+    # Blocks of ~512 bytes: parameters are cut into rows and span both servers.
+    "small_blocks": {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005, "partition_mb": 0.0005},
+    "no_priority_no_overlap": {"priority": False, "overlap_forward": False, "partition_mb": 0.0005},
+    "no_credit_unfused": {"credit_mb": None, "fuse_optimizer": False, "partition_mb": 0.001},
+}
+
+
+def prepare_or_serve(model, optimizer, num_servers, **kwargs):
+    """prepare() with the PS backend; None on a server rank once the workers are done."""
+    strategy = commsched.Strategy(backend="ps", num_servers=num_servers, **kwargs)
+    try:
+        return commsched.prepare(model, optimizer, strategy)
+    except ServingFinished as done:
+        assert done.code == 0
+        SERVER_REPORTS.append(done.report)
+        return None
+
+
+SERVER_REPORTS: list = []
+
+
+def finish(model) -> None:
+    """Tell the servers this worker is done with the model (as process exit would)."""
+    model._commsched_reducer.close()
+
+
+def assert_close_parameters(model, reference, rtol=1e-4, atol=1e-5):
+    model.state_dict()  # waits for pending pulls under forward overlap
+    for (name, a), (_, e) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"parameter '{name}': {m}")
+
+
+def case_matches_single_process(rank, world_size, servers, optimizer_name, strategy_name, set_to_none):
+    workers = world_size - servers
+    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
+    if prepare_or_serve(model, optimizer, servers, **PS_STRATEGIES[strategy_name]) is None:
+        return
+    try:
+        for iteration, (x, y) in enumerate(batches(workers, iterations=8)):
+            mine = rank_slice(rank)
+            F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            reference_step(reference, reference_optimizer, x, y, iteration, workers, set_to_none)
+        assert_close_parameters(model, reference)
+        assert model.never_used.weight.grad is None
+    finally:
+        finish(model)
+
+
+def case_param_groups_and_lr_schedule(rank, world_size, servers):
+    """Two param groups with their own LR, a scheduler stepping every iteration."""
+    workers = world_size - servers
+    torch.manual_seed(0)
+    model, reference = fresh_pair("sgd")[0::2]
+
+    def build(m):
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 3e-3}],
+                                 lr=1e-2, weight_decay=0.0)
+
+    optimizer = build(model)
+    reference_optimizer = build(reference)
+    reference_schedule = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=2, gamma=0.5)
+    if prepare_or_serve(model, optimizer, servers) is None:
+        return
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    try:
+        for iteration, (x, y) in enumerate(batches(workers, iterations=7)):
+            mine = rank_slice(rank)
+            F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            reference_step(reference, reference_optimizer, x, y, iteration, workers)
+            reference_schedule.step()
+        assert_close_parameters(model, reference)
+    finally:
+        finish(model)
+
+
+def case_no_sync_accumulation(rank, world_size, servers, micro_steps=3):
+    workers = world_size - servers
+    model, optimizer, reference, reference_optimizer = fresh_pair("adam")
+    if prepare_or_serve(model, optimizer, servers) is None:
+        return
+    try:
+        data = list(batches(workers, iterations=2 * micro_steps))
+        for start in range(0, len(data), micro_steps):
+            for k in range(micro_steps):
+                x, y = data[start + k]
+                context = model.no_sync() if k < micro_steps - 1 else torch.enable_grad()
+                with context:
+                    F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(start + k, rank)),
+                               y[rank_slice(rank)]).backward()
+                reference_backward(reference, x, y, start + k, workers)
+            optimizer.step()
+            optimizer.zero_grad()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        assert_close_parameters(model, reference)
+    finally:
+        finish(model)
+
+
+def _train(model, optimizer, rank, workers, data):
+    for iteration, (x, y) in data:
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def case_checkpoint_resumes_exactly(rank, world_size, servers):
+    """Server-held optimizer state is in optimizer.state_dict(); loading it resumes exactly.
+
+    The checkpoint also loads into plain torch.optim, and continuing there
+    matches continuing on the parameter servers.
+    """
+    workers = world_size - servers
+    data = list(enumerate(batches(workers, iterations=8)))
+    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
+    if prepare_or_serve(model, optimizer, servers, partition_mb=0.0005) is None:
+        return
+    try:
+        _train(model, optimizer, rank, workers, data[:4])
+        model_state = copy.deepcopy(model.state_dict())
+        optimizer_state = copy.deepcopy(optimizer.state_dict())
+        assert len(optimizer_state["state"]) > 0 and all(
+            "exp_avg" in s and float(s["step"]) >= 3 for s in optimizer_state["state"].values())
+        _train(model, optimizer, rank, workers, data[4:])
+        optimizer.synchronize()  # the last pulls are installed lazily under forward overlap
+        straight = [p.detach().clone() for p in model.parameters()]
+        # Plain torch from the checkpoint, single process on the concatenated batches.
+        reference.load_state_dict(model_state)
+        reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        for iteration, (x, y) in data[4:]:
+            reference_step(reference, reference_optimizer, x, y, iteration, workers)
+        for a, e in zip(straight, reference.parameters(), strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+        # Resume on the servers: load, train the same batches again, same result.
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        _train(model, optimizer, rank, workers, data[4:])
+        model.state_dict()
+        for a, e in zip(model.parameters(), straight, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+    finally:
+        finish(model)
+
+
+def case_buffers_stay_on_workers(rank, world_size, servers):
+    """BatchNorm buffers are broadcast among the workers; the servers hold parameters only."""
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if prepare_or_serve(model, optimizer, servers) is None:
+        return
+    try:
+        for step in range(3):
+            x = torch.randn(4, 1, 6, 6, generator=torch.Generator().manual_seed(step * 10 + rank)) + rank
+            F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        with torch.enable_grad():
+            model(x)  # broadcasts rank 0's buffers
+        stats = model.features[1].running_mean
+        gathered = [torch.empty_like(stats) for _ in range(world_size - servers)]
+        torch.distributed.all_gather(gathered, stats, group=model._commsched_reducer.process_group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered)
+        assert not torch.equal(model.head.weight, reference.head.weight)
+    finally:
+        finish(model)
+
+
+def _misuse_clip(model, optimizer, x, y, rank):
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    with pytest.raises(RuntimeError, match=r"gradients were modified between backward\(\) and step\(\)"):
+        optimizer.step()
+
+
+def _misuse_lr_change(model, optimizer, x, y, rank):
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    optimizer.param_groups[0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match=r"hyper-parameters changed between backward\(\) and step\(\)"):
+        optimizer.step()
+
+
+def _misuse_backward_twice(model, optimizer, x, y, rank):
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    with pytest.raises(RuntimeError, match=r"backward\(\) ran twice without optimizer.step\(\)"):
+        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+
+
+def case_misuse_gives_clear_errors(rank, world_size, servers):
+    """Each misuse on a fresh prepare (an error leaves the workers and servers out of step)."""
+    workers = world_size - servers
+    x, y = next(batches(workers))
+    for misuse in (_misuse_clip, _misuse_lr_change, _misuse_backward_twice):
+        model, optimizer, _, _ = fresh_pair("sgd")
+        if prepare_or_serve(model, optimizer, servers) is None:
+            continue
+        try:
+            misuse(model, optimizer, x, y, rank)
+        finally:
+            finish(model)
+    if rank < workers:
+        model = fresh_pair("sgd")[0]
+        with pytest.raises(ValueError, match=r"supports torch.optim.SGD, Adam and AdamW only"):
+            commsched.prepare(model, torch.optim.RMSprop(model.parameters()), commsched.Strategy(backend="ps"))
+
+
+def case_async_training_converges(rank, world_size, servers):
+    """Asynchronous mode: a linear regression's loss falls below 0.05; staleness is reported."""
+    workers = world_size - servers
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if prepare_or_serve(model, optimizer, servers, ps_mode="async") is None:
+        report = SERVER_REPORTS[-1]
+        assert len(report.staleness) == report.updates and (report.updates > 0 or report.blocks == 0)
+        assert "staleness mean" in report.describe() or report.blocks == 0
+        return
+    truth = torch.randn(16, 1, generator=torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        losses = []
+        for _ in range(120):
+            x = torch.randn(32, 16, generator=generator)
+            loss = F.mse_loss(model(x), x @ truth + 0.5)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+        assert first > 1.0 and last < 0.05, f"loss went from {first:.3f} to {last:.4f}"
+    finally:
+        finish(model)
+
+
+def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
+    cases = {}
+    for index, (optimizer_name, strategy_name) in enumerate(itertools.product(OPTIMIZERS, PS_STRATEGIES)):
+        set_to_none = index % 2 == 0
+        cases[f"single_process/{optimizer_name}/{strategy_name}/set_to_none={set_to_none}"] = functools.partial(
+            case_matches_single_process, rank, world_size, servers, optimizer_name, strategy_name, set_to_none)
+    cases["checkpoint_resumes_exactly"] = functools.partial(case_checkpoint_resumes_exactly, rank, world_size, servers)
+    if extended:
+        for name, case in (
+            ("param_groups_and_lr_schedule", case_param_groups_and_lr_schedule),
+            ("no_sync_accumulation", case_no_sync_accumulation),
+            ("buffers_stay_on_workers", case_buffers_stay_on_workers),
+            ("misuse_gives_clear_errors", case_misuse_gives_clear_errors),
+            ("async_training_converges", case_async_training_converges),
+        ):
+            cases[name] = functools.partial(case, rank, world_size, servers)
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize(
+    ("workers", "servers", "extended"), [(2, 1, False), (3, 1, True), (2, 2, True), (3, 2, False)]
+)
+def test_ps_grid(ranks, workers, servers, extended):
+    ranks(ps_grid, workers + servers, servers, extended, timeout_s=400)

@@ -1,0 +1,103 @@
+"""A killed parameter server or worker stops every other rank with an error naming it.
+
+Real processes are killed with SIGKILL mid-training; no rank may hang. Each
+surviving worker checks its own error and how long it took to come.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _get_default_store
+
+import commsched
+from commsched.api import ServingFinished
+from commsched.testing import RanksFailed
+
+pytestmark = pytest.mark.distributed
+
+WORKERS, SERVERS = 2, 1
+SERVER = WORKERS  # the last rank serves
+TIMEOUT_S = 20.0
+KILL_AT = 5
+"""After the plan is agreed at iteration 3 (a collective among the workers)."""
+BOUND_S = 15.0
+"""A dead peer's sockets close at once: every rank must know well within the timeout."""
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _kill_self_when_told(store, key: str) -> None:
+    store.wait([key])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_until_a_peer_dies(rank: int, world_size: int, victim: int) -> str:
+    store = _get_default_store()
+    if rank == victim == SERVER:
+        threading.Thread(target=_kill_self_when_told, args=(store, "kill"), daemon=True).start()
+    model, optimizer = _model_and_optimizer()
+    strategy = commsched.Strategy(backend="ps", num_servers=SERVERS, timeout_s=TIMEOUT_S)
+    try:
+        model, optimizer = commsched.prepare(model, optimizer, strategy)
+    except ServingFinished:
+        raise AssertionError("the server finished cleanly although a worker died") from None
+    generator = torch.Generator().manual_seed(rank)
+    killed_at = None
+    try:
+        for iteration in range(1000):
+            if iteration == KILL_AT:
+                if rank == victim:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if rank == 0:
+                    store.set("kill", "1")
+                killed_at = time.monotonic()
+            x = torch.randn(8, 32, generator=generator)
+            F.mse_loss(model(x), torch.zeros(8, 4)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except commsched.CommunicationTimeout as error:
+        elapsed = time.monotonic() - killed_at
+        message = str(error)
+        assert elapsed < BOUND_S, f"took {elapsed:.1f} s to notice: {message}"
+        return message
+    raise AssertionError("training went on although a peer was killed")
+
+
+def server_loss_is_named(rank: int, world_size: int) -> str:
+    message = train_until_a_peer_dies(rank, world_size, victim=SERVER)
+    assert f"parameter server rank {SERVER}" in message, message
+    return message
+
+
+def worker_loss_is_named(rank: int, world_size: int) -> str:
+    message = train_until_a_peer_dies(rank, world_size, victim=1)
+    assert "worker rank 1 was lost" in message, message
+    return message
+
+
+def test_killed_server_is_named_by_every_worker(ranks):
+    with pytest.raises(RanksFailed) as failure:
+        ranks(server_loss_is_named, WORKERS + SERVERS, timeout_s=120, collective_timeout_s=60)
+    report = str(failure.value)
+    # Only the killed server failed: both workers' own checks passed.
+    assert "1 of 3 ranks failed" in report and f"----- rank {SERVER} -----" in report, report
+
+
+def test_killed_worker_is_named_by_the_server_and_the_other_worker(ranks):
+    with pytest.raises(RanksFailed) as failure:
+        ranks(worker_loss_is_named, WORKERS + SERVERS, timeout_s=120, collective_timeout_s=60)
+    report = str(failure.value)
+    # The victim (rank 1) died, the server stopped with an error naming it, rank 0 passed its checks.
+    assert "2 of 3 ranks failed" in report and "----- rank 0 -----" not in report, report
+    assert "ParameterServerError" in report and "worker rank 1 was lost" in report, report
