@@ -14,7 +14,7 @@ strategy
     the single, validated object holding every knob (`Strategy`).
 """
 
-from commsched.api import prepare
+from commsched.api import prepare, release
 from commsched.backends.base import CommunicationTimeout
 from commsched.buckets import compute_bucket_assignment_by_size
 from commsched.module import CommschedModule
@@ -28,5 +28,6 @@ __all__ = [
     "Strategy",
     "compute_bucket_assignment_by_size",
     "prepare",
+    "release",
 ]
 __version__ = "0.1.0"

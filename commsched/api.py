@@ -49,19 +49,11 @@ def prepare(
             "commsched.prepare() was already called on this model; call it once per model "
             "and keep using the model it returned"
         )
-    if optimizer is not None:
-        _check_optimizer(model, optimizer)
-    group = _resolve_process_group(process_group)
+    group = _agree(model, optimizer, strategy, process_group)
     if strategy.parameter_server:
-        _check_parameter_server_setup(optimizer, group)
-
-    descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
-    descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
-    verify_same_across_ranks(descriptions, group)
-    broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
-
-    if strategy.parameter_server:
-        reducer = _join_parameter_server_job(model, optimizer, strategy)
+        reducer = join_parameter_server_job(model, optimizer, strategy)
+        if isinstance(reducer, ParameterServer):
+            raise ServingFinished(reducer.serve())
     else:
         reducer = GradientReducer(
             model, optimizer, strategy, AllReduceBackend(group), group, _buffer_group(strategy, group)
@@ -107,24 +99,29 @@ def _check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group
         ) from None
 
 
-def _join_parameter_server_job(
+def join_parameter_server_job(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy
-) -> GradientReducer:
-    """Split the world into workers and servers; serve here, or return a worker's reducer."""
+) -> GradientReducer | ParameterServer:
+    """Split the world into workers and servers: a worker's reducer, or this rank's server.
+
+    Collective over the default group (every rank, servers included, creates
+    every group). `prepare` serves on a server rank; code that runs several
+    parameter-server jobs at once (the benchmark) calls this and runs each
+    `ParameterServer.serve` on a thread of its own.
+    """
     global _PS_JOBS
     roles = PSRoles.of_world(strategy.num_servers)
-    # Every rank must create every group, servers included.
     worker_group = dist.new_group(roles.workers)
     buffer_group = None
     if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
         buffer_group = dist.new_group(roles.workers)
+    transport = dist.new_group(list(range(dist.get_world_size())))
     _PS_JOBS += 1
     board = FailureBoard(f"commsched/ps/{_PS_JOBS}")
     if roles.is_server:
-        report = ParameterServer(model, optimizer, strategy, roles, board).serve()
-        raise ServingFinished(report)
+        return ParameterServer(model, optimizer, strategy, roles, transport, board)
     params = [p for _, p in model.named_parameters() if p.requires_grad]
-    backend = ParameterServerBackend(strategy, roles, optimizer, params, board)
+    backend = ParameterServerBackend(strategy, roles, transport, optimizer, params, board)
     reducer = GradientReducer(model, optimizer, strategy, backend, worker_group, buffer_group)
     atexit.register(backend.finish)
     return reducer
@@ -132,6 +129,52 @@ def _join_parameter_server_job(
 
 _PS_JOBS = 0
 """Parameter-server jobs started by this process (every rank counts the same)."""
+
+
+def _agree(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    process_group: dist.ProcessGroup | None,
+) -> dist.ProcessGroup:
+    """Validate, check that every rank has the same model, copy rank 0's values."""
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
+    group = _resolve_process_group(process_group)
+    if strategy.parameter_server:
+        _check_parameter_server_setup(optimizer, group)
+    descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
+    descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
+    verify_same_across_ranks(descriptions, group)
+    broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
+    return group
+
+
+def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> ParameterServer:
+    """On a server rank, what `prepare` does, returning the server instead of serving.
+
+    For code that runs several parameter-server jobs at once (each
+    `ParameterServer.serve` on a thread of its own); ``prepare`` is simpler.
+    """
+    if not strategy.parameter_server:
+        raise ValueError("prepare_server() needs Strategy(backend='ps')")
+    _agree(model, optimizer, strategy, None)
+    server = join_parameter_server_job(model, optimizer, strategy)
+    if not isinstance(server, ParameterServer):
+        raise RuntimeError(f"rank {dist.get_rank()} is a worker, not a server; call prepare() there")
+    return server
+
+
+def release(model: torch.nn.Module) -> None:
+    """Stop distributed training of a prepared model: wait for what is in flight, remove hooks.
+
+    With parameter servers this also tells them this worker is done (otherwise
+    that happens when the process exits). The model and optimizer then train
+    as plain local objects.
+    """
+    if not isinstance(model, CommschedModule):
+        raise ValueError("release() takes a model returned by commsched.prepare()")
+    model._commsched_reducer.close()
 
 
 def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:

@@ -6,9 +6,14 @@ torchrun (``--nnodes``, gloo bound to the host's ``eth0``). In that one run
 every system trains side by side in interleaved rounds (`commsched.compare`):
 compute alone (every host computing, no communication), torch DDP with its
 defaults, torch DDP with each ``bucket_cap_mb`` of a small sweep, commsched
-with scheduling off, commsched with its default `Strategy`. One all-reduce of
-all gradients is timed too, with the CPU time it costs. The bound of a cell is
-max(compute alone, one all-reduce); efficiency is bound / iteration time.
+with scheduling off, commsched with its default `Strategy`, and commsched's
+parameter-server backend (``--ps-servers`` extra hosts serve; the other
+systems leave them idle). One all-reduce of all gradients is timed too, with
+the CPU time it costs. The bound of a cell is max(compute alone, one
+all-reduce); efficiency is bound / iteration time. The parameter-server
+bound is max(compute alone, the busiest server link): every worker pushes
+that server's bytes in and pulls them out, so its link carries workers x
+bytes in each direction at the link rate.
 
 Outputs, in ``--out``: ``runs.json`` (every iteration of every run),
 ``results.md`` (the table) and ``speedup.png`` (speedup over DDP against the
@@ -51,14 +56,23 @@ class Cell:
     model: str
     rate_gbit: float
     hosts: int
+    """Workers (each an emulated host)."""
     batch_size: int
+    ps_servers: int = 0
+    """Extra hosts serving the parameter-server system (0: no such system)."""
 
 
-def systems(trace_dir: str | None = None) -> dict[str, object]:
+def ps_name(servers: int) -> str:
+    return f"commsched PS, {servers} server{'s' if servers > 1 else ''}"
+
+
+def systems(trace_dir: str | None = None, ps_servers: int = 0) -> dict[str, object]:
     chosen: dict[str, object] = {COMPUTE_ONLY: LOCAL, DDP: None}
     chosen.update({f"torch DDP, bucket_cap_mb={cap:g}": DDPSpec(cap) for cap in DDP_SWEEP_MB})
     chosen[UNSCHEDULED_NAME] = UNSCHEDULED
     chosen[COMMSCHED] = Strategy(trace_dir=trace_dir)
+    if ps_servers:
+        chosen[ps_name(ps_servers)] = Strategy(backend="ps", num_servers=ps_servers)
     return chosen
 
 
@@ -103,16 +117,17 @@ def run_cell(cell: Cell, chosen: dict[str, object], rounds: int, iterations: int
 
     spec = {
         "workload": cell.model, "batch_size": cell.batch_size, "iterations": iterations,
-        "rounds": rounds, "warmup": warmup,
+        "rounds": rounds, "warmup": warmup, "num_servers": cell.ps_servers,
         "systems": [(name, _encode(s)) for name, s in chosen.items()],
     }
+    hosts = cell.hosts + cell.ps_servers
     with tempfile.TemporaryDirectory() as tmp, \
-            EmulatedCluster(cell.hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:
+            EmulatedCluster(hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
         config_path.write_text(json.dumps(spec))
         procs = []
-        for host in range(cell.hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cell.hosts}",
+        for host in range(hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
                     "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
                     f"--master-port={port}", "-m", "commsched.bench", "--worker", str(config_path), str(out_path)]
             procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
@@ -143,6 +158,23 @@ def summarize(cell: Cell, runs: list[dict]) -> dict:
     ddp_names = [name for name in runs[0] if name.startswith(DDP)]
     best_ddp = [min(statistics.fmean(r[n]["iteration_times_s"]) for n in ddp_names) for r in runs]
     ours, off, ddp = per_repeat(COMMSCHED), per_repeat(UNSCHEDULED_NAME), per_repeat(DDP)
+    ps: dict = {}
+    if cell.ps_servers:
+        name = ps_name(cell.ps_servers)
+        ps_times = per_repeat(name)
+        busiest_bytes = max(runs[0][name]["server_bytes"])
+        link_s = cell.hosts * busiest_bytes * 8 / (cell.rate_gbit * 1e9)
+        ps_bounds = [max(c, link_s) for c in compute]
+        ps = {
+            "ps_ms": statistics.median(ps_times) * 1e3,
+            "ps_link_bound_ms": link_s * 1e3,
+            "ps_bound_ms": statistics.median(ps_bounds) * 1e3,
+            "ps_speedup_vs_ddp": statistics.median(d / p for d, p in zip(ddp, ps_times)),
+            "ps_vs_allreduce": statistics.median(o / p for o, p in zip(ours, ps_times)),
+            "ps_efficiency": statistics.median(b / p for b, p in zip(ps_bounds, ps_times)),
+            "ps_server_imbalance": max(runs[0][name]["server_bytes"]) / statistics.fmean(
+                runs[0][name]["server_bytes"]),
+        }
     return {
         **asdict(cell),
         "compute_ms": statistics.median(compute) * 1e3,
@@ -159,6 +191,7 @@ def summarize(cell: Cell, runs: list[dict]) -> dict:
         "efficiency": statistics.median(b / o for b, o in zip(bounds, ours)),
         "ddp_efficiency": statistics.median(b / d for b, d in zip(bounds, ddp)),
         "repeats": len(runs),
+        **ps,
     }
 
 
@@ -176,6 +209,18 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) | {r['speedup_vs_best_ddp']:.2f} "
             f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) |"
         )
+    ps_rows = [r for r in rows if r.get("ps_servers")]
+    if ps_rows:
+        header = ("| model | workers + servers | Gbit/s | PS ms | PS bound ms (busiest server link ms) "
+                  "| PS speedup vs DDP | PS time / all-reduce commsched time | PS efficiency "
+                  "| most loaded server / mean |")
+        lines += ["", header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
+        for r in ps_rows:
+            lines.append(
+                f"| {r['model']} | {r['hosts']} + {r['ps_servers']} | {r['rate_gbit']:g} | {r['ps_ms']:.0f} "
+                f"| {r['ps_bound_ms']:.0f} ({r['ps_link_bound_ms']:.0f}) | {r['ps_speedup_vs_ddp']:.2f} "
+                f"| {1 / r['ps_vs_allreduce']:.2f} | {r['ps_efficiency']:.2f} | {r['ps_server_imbalance']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -209,7 +254,10 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out.mkdir(parents=True, exist_ok=True)
-    chosen = systems(None if trace_dir is None else str(trace_dir.resolve()))
+    servers = {cell.ps_servers for cell in cells}
+    if len(servers) != 1:
+        raise ValueError("every cell of a grid uses the same number of parameter servers")
+    chosen = systems(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
     record: dict = {"systems": list(chosen), "cells": []}
     rows = []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -249,6 +297,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--batch-sizes", nargs="+", type=int,
                         help="per host, each a cell of its own (default: 64 VGG, 32 ResNet, 16 Transformer)")
+    parser.add_argument("--ps-servers", type=int, default=1,
+                        help="extra hosts serving the parameter-server system (0 leaves it out)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=5, help="per system per round")
     parser.add_argument("--warmup", type=int, default=6,
@@ -272,10 +322,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     if args.quick:
         args.rates_gbit, args.hosts, args.repeats, args.rounds, args.iterations = [0.25, 1.0], [2], 1, 2, 3
-    if any(h < 2 for h in args.hosts) or any(not r > 0 for r in args.rates_gbit):
-        print("commsched bench: --hosts must be at least 2 and --rates-gbit greater than 0", file=sys.stderr)
+    if any(h < 2 for h in args.hosts) or any(not r > 0 for r in args.rates_gbit) or args.ps_servers < 0:
+        print("commsched bench: --hosts must be at least 2, --rates-gbit greater than 0 and --ps-servers "
+              "at least 0", file=sys.stderr)
         return 2
-    cells = [Cell(m, r, h, b)
+    cells = [Cell(m, r, h, b, args.ps_servers)
              for m, h, r in itertools.product(args.models, args.hosts, args.rates_gbit)
              for b in (args.batch_sizes or [BATCH[m]])]
     rows = run_grid(cells, args.out, args.rounds, args.iterations, args.warmup, args.repeats, args.timeout_s,

@@ -56,6 +56,10 @@ class ComparisonConfig:
     with no communication at all (every rank computing: the compute part of the bound)."""
     measure_allreduce: bool = False
     """Also time one all-reduce of all gradients (the communication part of the bound)."""
+    num_servers: int = 0
+    """The last ``num_servers`` ranks are parameter servers: they serve the systems with
+    ``Strategy(backend="ps")`` (which must use as many servers) and sit out the others,
+    which run on the remaining ranks (the workers)."""
     ddp_bucket_cap_mb: float = 25.0
     show_progress: bool = True
 
@@ -67,6 +71,8 @@ class SystemResult:
     """CPU time of the whole process (all threads) per iteration, where measured."""
     final_loss: float = float("nan")
     eval_loss: float = float("nan")
+    server_bytes: list[int] = field(default_factory=list)
+    """Parameter-server systems: bytes of blocks each server holds (for the link bound)."""
 
     @property
     def median_s(self) -> float:
@@ -107,14 +113,28 @@ class _System:
         return time.perf_counter() - start
 
 
+def _is_parameter_server(strategy: object) -> bool:
+    return isinstance(strategy, Strategy) and strategy.parameter_server
+
+
 def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dict[str, SystemResult] | None:
     """Run the comparison; rank 0 returns the results, other ranks None."""
     workload = WORKLOADS[config.workload]
     torch.manual_seed(0)
     base = workload.build()
+    for name, strategy in config.systems:
+        if _is_parameter_server(strategy) and strategy.num_servers != config.num_servers:
+            raise ValueError(f"system {name!r} uses {strategy.num_servers} servers, the comparison "
+                             f"{config.num_servers}")
+    num_workers = world_size - config.num_servers
+    workers = dist.group.WORLD if not config.num_servers else dist.new_group(list(range(num_workers)))
 
     def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
+
+    if rank >= num_workers:
+        _serve(base, sgd, config)
+        return None
 
     systems = []
     for name, strategy in config.systems:
@@ -123,12 +143,13 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
             optimizer = sgd(model)
         elif strategy is None or isinstance(strategy, DDPSpec):
             cap = config.ddp_bucket_cap_mb if strategy is None else strategy.bucket_cap_mb
-            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+            model = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap, process_group=workers)
             optimizer = sgd(model)
         else:
             model = copy.deepcopy(base)
-            model, optimizer = commsched.prepare(model, sgd(model), strategy)
-        systems.append(_System(name, model, optimizer, config, rank, world_size))
+            group = None if _is_parameter_server(strategy) else workers
+            model, optimizer = commsched.prepare(model, sgd(model), strategy, process_group=group)
+        systems.append(_System(name, model, optimizer, config, rank, num_workers))
 
     for system in systems:
         for _ in range(config.warmup):
@@ -139,7 +160,7 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
         for round_index in range(config.rounds):
             order = systems if round_index % 2 == 0 else systems[::-1]
             for system in order:
-                dist.barrier()
+                dist.barrier(group=workers)
                 for _ in range(config.iterations):
                     system.result.iteration_times_s.append(system.step())
                     advance(system.name)
@@ -150,27 +171,58 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
     for system in systems:
         system.settle()
         loss = system.last_loss.clone()
-        dist.all_reduce(loss)
-        system.result.final_loss = float(loss) / world_size
+        dist.all_reduce(loss, group=workers)
+        system.result.final_loss = float(loss) / num_workers
         system.model.eval()
         with torch.no_grad():
             system.result.eval_loss = float(F.cross_entropy(system.model(held_out_x), held_out_y))
         system.model.train()
+    for system, (_, strategy) in zip(systems, config.systems, strict=True):
+        if _is_parameter_server(strategy):
+            system.result.server_bytes = system.model._commsched_reducer.backend.plan.loads_bytes()
+            commsched.release(system.model)  # lets the servers finish
     results = {s.name: s.result for s in systems}
     if config.measure_allreduce:
-        results[ALLREDUCE_ONLY] = _time_allreduce(base, repeats=max(3, config.rounds))
+        results[ALLREDUCE_ONLY] = _time_allreduce(base, repeats=max(3, config.rounds), group=workers)
     return results if rank == 0 else None
 
 
-def _time_allreduce(model: torch.nn.Module, repeats: int) -> SystemResult:
+def _serve(base: torch.nn.Module, make_optimizer, config: ComparisonConfig) -> None:
+    """A server rank: serve every parameter-server system at once, each on its own thread."""
+    import threading
+
+    from commsched.api import prepare_server
+
+    threads, failures = [], []
+    for name, strategy in config.systems:
+        if not _is_parameter_server(strategy):
+            continue
+        model = copy.deepcopy(base)
+        server = prepare_server(model, make_optimizer(model), strategy)
+
+        def serve(server=server, name=name) -> None:
+            try:
+                server.serve()
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                failures.append(f"{name}: {error}")
+
+        threads.append(threading.Thread(target=serve, name=f"serve {name}", daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise RuntimeError("parameter server failed: " + "; ".join(failures))
+
+
+def _time_allreduce(model: torch.nn.Module, repeats: int, group: dist.ProcessGroup) -> SystemResult:
     """One all-reduce of a buffer as large as all gradients, timed ``repeats`` times."""
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     buffer = torch.zeros(numel)
     result = SystemResult()
     for _ in range(repeats):
-        dist.barrier()
+        dist.barrier(group=group)
         start, cpu_start = time.perf_counter(), time.process_time()
-        dist.all_reduce(buffer)
+        dist.all_reduce(buffer, group=group)
         result.iteration_times_s.append(time.perf_counter() - start)
         result.cpu_times_s.append(time.process_time() - cpu_start)
     return result

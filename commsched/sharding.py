@@ -26,6 +26,11 @@ from commsched.scheduler import Partition
 MIN_BLOCK_BYTES = 64 * 1024
 """Smallest block worth a message of its own, unless smaller blocks are asked for."""
 
+BLOCKS_PER_SERVER = 4
+"""Blocks are made small enough for about this many per server, so that placement
+can balance the bytes (a model of five 1 MiB blocks cannot be split evenly over
+four servers), but not below `MIN_BLOCK_BYTES`."""
+
 
 def min_block_bytes_for(block_bytes: int) -> int:
     """Blocks are at least half the target size, or 64 KiB if that is smaller.
@@ -79,14 +84,17 @@ class ShardingPlan:
         ranks = list(server_ranks) if server_ranks is not None else list(range(self.num_servers))
         loads = self.loads_bytes()
         counts = [len(self.blocks_of(s)) for s in range(self.num_servers)]
-        split = sum(1 for slot_blocks in self._blocks_per_slot().values() if len({self.servers[b] for b in slot_blocks}) > 1)
         per_server = ", ".join(
             f"rank {rank}: {counts[s]} blocks, {loads[s] / 1e6:.2f} MB" for s, rank in enumerate(ranks)
         )
         return (
             f"{len(self.blocks)} blocks on {self.num_servers} server(s) ({per_server}); most loaded / mean "
-            f"= {self.imbalance():.3f}; {split} parameter(s) span several servers"
+            f"= {self.imbalance():.3f}; {self.spanning_parameters()} parameter(s) span several servers"
         )
+
+    def spanning_parameters(self) -> int:
+        """How many parameters have blocks on more than one server."""
+        return sum(1 for blocks in self._blocks_per_slot().values() if len({self.servers[b] for b in blocks}) > 1)
 
     def _blocks_per_slot(self) -> dict[int, list[int]]:
         per_slot: dict[int, list[int]] = {}
@@ -198,8 +206,13 @@ def plan_model_sharding(
     block_bytes: int,
     num_servers: int,
 ) -> ShardingPlan:
-    """`plan_sharding` for a model's trainable parameters laid out in ``bucket_slots``."""
+    """`plan_sharding` for a model's trainable parameters laid out in ``bucket_slots``.
+
+    ``block_bytes`` is lowered, if needed, to about `BLOCKS_PER_SERVER` blocks per server.
+    """
     numels = [p.numel() for p in params]
+    total = sum(p.numel() * p.element_size() for p in params)
+    block_bytes = min(block_bytes, max(MIN_BLOCK_BYTES, total // (BLOCKS_PER_SERVER * num_servers)))
     rows = [p.numel() // p.shape[0] if p.dim() > 0 and p.shape[0] > 0 else max(1, p.numel()) for p in params]
     sizes = [params[slots[0]].element_size() for slots in bucket_slots]
     return plan_sharding(bucket_slots, numels, rows, sizes, bucket_priorities, block_bytes, num_servers)

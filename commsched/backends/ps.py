@@ -159,12 +159,16 @@ class ParameterServerBackend(Backend):
         self,
         strategy: Strategy,
         roles: PSRoles,
+        group: dist.ProcessGroup,
         optimizer: torch.optim.Optimizer,
         params: Sequence[torch.nn.Parameter],
         board: FailureBoard,
     ):
         self.strategy = strategy
         self.roles = roles
+        self.group = group
+        """This job's own group of every rank, for its point-to-point traffic only, so that
+        several parameter-server jobs (or other traffic) in one process never mix messages."""
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
         self.params = list(params)
@@ -195,7 +199,7 @@ class ParameterServerBackend(Backend):
         if self.roles.rank == self.roles.workers[0]:
             order = torch.tensor(list(forward_order), dtype=torch.int64)
             for server in self.roles.servers:
-                dist.send(order, dst=server, tag=LAYOUT_TAG)
+                dist.send(order, dst=server, tag=LAYOUT_TAG, group=self.group)
         self.plan = plan_model_sharding(
             self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
         )
@@ -224,9 +228,10 @@ class ParameterServerBackend(Backend):
                              encode_hyperparameters(self.kind, self._sent_hyperparameters))
         works = []
         for server in self.roles.servers:
-            works.append(dist.isend(header, dst=server, tag=HEADER_TAG))
+            works.append(dist.isend(header, dst=server, tag=HEADER_TAG, group=self.group))
             if new_plan is not None:
-                works.append(dist.isend(torch.tensor(list(new_plan), dtype=torch.int64), dst=server, tag=PLAN_TAG))
+                plan = torch.tensor(list(new_plan), dtype=torch.int64)
+                works.append(dist.isend(plan, dst=server, tag=PLAN_TAG, group=self.group))
         self._header_works = works
 
     def check_hyperparameters_unchanged(self) -> None:
@@ -254,14 +259,15 @@ class ParameterServerBackend(Backend):
         buffer[:numel].copy_(bucket.flat[block.start:block.end])
         buffer[numel] = self._iteration
         buffer[numel + 1:] = torch.tensor([self._has_grad[s.slot] for s in segments], dtype=buffer.dtype)
-        receive = dist.irecv(self._stages[bucket.index].flat[block.start:block.end], src=server, tag=pull_tag(pid))
-        self._push_works[pid] = dist.isend(buffer, dst=server, tag=push_tag(pid))
+        values = self._stages[bucket.index].flat[block.start:block.end]
+        receive = dist.irecv(values, src=server, tag=pull_tag(pid), group=self.group)
+        self._push_works[pid] = dist.isend(buffer, dst=server, tag=push_tag(pid), group=self.group)
         return _BlockHandle(self, self._waiters[server].watch(receive), pid, server)
 
     # ------------------------------------------------------ state and params
     def fetch_optimizer_state(self) -> None:
         """Copy the servers' optimizer state into ``optimizer.state`` (torch.optim's format)."""
-        if self.plan is None:
+        if self.plan is None or self._finished:  # nothing built yet, or released
             return
         plan, family_keys = self.plan, STATE_TENSOR_KEYS["sgd" if self.kind == "sgd" else "adam"]
         gathered: dict[int, dict[str, torch.Tensor]] = {}
@@ -296,7 +302,7 @@ class ParameterServerBackend(Backend):
 
     def push_optimizer_state(self) -> None:
         """Send ``optimizer.state`` (just loaded from a checkpoint) to the servers."""
-        if self.plan is None:
+        if self.plan is None or self._finished:  # nothing built yet, or released
             return
         plan = self.plan
         for index, server in enumerate(self.roles.servers):
@@ -319,7 +325,7 @@ class ParameterServerBackend(Backend):
     @torch.no_grad()
     def push_parameters(self) -> None:
         """Send the workers' parameter values (just loaded from a checkpoint) to the servers."""
-        if self.plan is None:
+        if self.plan is None or self._finished:  # nothing built yet, or released
             return
         plan = self.plan
         for index, server in enumerate(self.roles.servers):
@@ -359,10 +365,11 @@ class ParameterServerBackend(Backend):
         return len(encode_hyperparameters(self.kind, hyperparameter_snapshot(self.optimizer, self.kind)))
 
     def _send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
-        self._wait_all([dist.isend(tensor, dst=server, tag=tag)], f"sending {what} to parameter server rank {server}")
+        work = dist.isend(tensor, dst=server, tag=tag, group=self.group)
+        self._wait_all([work], f"sending {what} to parameter server rank {server}")
 
     def _receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
-        self._wait_all([dist.irecv(tensor, src=server, tag=tag)],
+        self._wait_all([dist.irecv(tensor, src=server, tag=tag, group=self.group)],
                        f"receiving {what} from parameter server rank {server}")
 
     def _wait_all(self, works: Sequence[dist.Work], what: str) -> None:

@@ -97,10 +97,12 @@ class ParameterServer:
         optimizer: torch.optim.Optimizer,
         strategy: Strategy,
         roles: PSRoles,
+        group: dist.ProcessGroup,
         board: FailureBoard,
     ):
         self.strategy = strategy
         self.roles = roles
+        self.group = group
         self.board = board
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
@@ -170,7 +172,7 @@ class ParameterServer:
     def serve(self) -> ServerReport:
         """Receive the layout, then serve until every worker has finished."""
         order = torch.empty(len(self.params), dtype=torch.int64)
-        self._wait(dist.irecv(order, src=self.roles.workers[0], tag=LAYOUT_TAG), None)
+        self._wait(dist.irecv(order, src=self.roles.workers[0], tag=LAYOUT_TAG, group=self.group), None)
         self._build(order.tolist())
         report = ServerReport(self.roles.rank, len(self.mine), sum(self.plan.blocks[p].nbytes for p in self.mine))
         self.report = report
@@ -214,16 +216,18 @@ class ParameterServer:
             while True:
                 header = torch.empty(self._header_length, dtype=torch.float64)
                 between_iterations = True
-                self._wait(dist.irecv(header, src=worker, tag=HEADER_TAG), None)
+                self._wait(dist.irecv(header, src=worker, tag=HEADER_TAG, group=self.group), None)
                 between_iterations = False
                 command, iteration = Command(int(header[0])), int(header[1])
                 if command is Command.PUSH:
                     if header[2]:
                         plan = torch.empty(len(self.plan.blocks), dtype=torch.int64)
-                        self._wait(dist.irecv(plan, src=worker, tag=PLAN_TAG), self._timeout)
+                        self._wait(dist.irecv(plan, src=worker, tag=PLAN_TAG, group=self.group), self._timeout)
                         order = [pid for pid in plan.tolist() if pid in self._local]
-                    receives = [(pid, dist.irecv(self.received[pid][w], src=worker, tag=push_tag(pid)))
-                                for pid in order]
+                    receives = [
+                        (pid, dist.irecv(self.received[pid][w], src=worker, tag=push_tag(pid), group=self.group))
+                        for pid in order
+                    ]
                     hyperparameters = decode_hyperparameters(self.kind, header[3:].tolist(), self.num_groups)
                     self._events.put(("header", w, iteration, hyperparameters))
                     for pid, work in receives:
@@ -331,7 +335,8 @@ class ParameterServer:
             self.updater.update(self._local[pid], hyperparameters, skip)
         self.report.updates += 1
         self._pull_sends[pid] = [
-            (dist.isend(self.values[pid], dst=worker, tag=pull_tag(pid)), self.values[pid], worker)
+            (dist.isend(self.values[pid], dst=worker, tag=pull_tag(pid), group=self.group),
+             self.values[pid], worker)
             for worker in self.roles.workers
         ]
 
@@ -355,7 +360,7 @@ class ParameterServer:
                 self._wait(work, self._timeout)
             else:
                 kept.append((work, tensor, destination))
-        kept.append((dist.isend(values, dst=worker, tag=pull_tag(pid)), values, worker))
+        kept.append((dist.isend(values, dst=worker, tag=pull_tag(pid), group=self.group), values, worker))
         self._pull_sends[pid] = kept
 
     def _skipped(self, pid: int, used: torch.Tensor) -> frozenset[int]:
@@ -376,14 +381,14 @@ class ParameterServer:
                 messages.append(pack_block_state(self.kind, self.plan.segments[pid], states,
                                                  self.values[pid].numel(), self.values[pid].dtype))
         for message in messages:
-            self._wait(dist.isend(message, dst=worker, tag=STATE_TAG), self._timeout)
+            self._wait(dist.isend(message, dst=worker, tag=STATE_TAG, group=self.group), self._timeout)
 
     def _receive_state(self, worker: int) -> None:
         received = {}
         for pid in self.mine:
             message = torch.empty(state_message_length(self.kind, self.values[pid].numel(),
                                                        len(self.plan.segments[pid])), dtype=self.values[pid].dtype)
-            self._wait(dist.irecv(message, src=worker, tag=STATE_TAG), self._timeout)
+            self._wait(dist.irecv(message, src=worker, tag=STATE_TAG, group=self.group), self._timeout)
             received[pid] = message
         with self._lock:
             for pid, message in received.items():
@@ -393,18 +398,22 @@ class ParameterServer:
                         self._server_optimizer.state[view] = state
                     else:
                         self._server_optimizer.state.pop(view, None)
-        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG), self._timeout)
+        self._acknowledge(worker)
 
     def _receive_parameters(self, worker: int) -> None:
         received = {}
         for pid in self.mine:
             message = torch.empty_like(self.values[pid])
-            self._wait(dist.irecv(message, src=worker, tag=PARAMS_TAG), self._timeout)
+            self._wait(dist.irecv(message, src=worker, tag=PARAMS_TAG, group=self.group), self._timeout)
             received[pid] = message
         with self._lock:
             for pid, message in received.items():
                 self.values[pid].copy_(message)
-        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG), self._timeout)
+        self._acknowledge(worker)
+
+    def _acknowledge(self, worker: int) -> None:
+        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG, group=self.group),
+                   self._timeout)
 
     @staticmethod
     def _wait(work: dist.Work, timeout: datetime.timedelta | None, quiet: bool = False) -> None:

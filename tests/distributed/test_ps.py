@@ -50,7 +50,7 @@ SERVER_REPORTS: list = []
 
 def finish(model) -> None:
     """Tell the servers this worker is done with the model (as process exit would)."""
-    model._commsched_reducer.close()
+    commsched.release(model)
 
 
 def assert_close_parameters(model, reference, rtol=1e-4, atol=1e-5):

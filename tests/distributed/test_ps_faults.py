@@ -6,6 +6,7 @@ surviving worker checks its own error and how long it took to come.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
@@ -13,6 +14,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _get_default_store
 
@@ -37,15 +39,26 @@ def _model_and_optimizer():
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _kill_self_when_told(store, key: str) -> None:
+def _job_store() -> dist.TCPStore:
+    """The job's TCPStore, unprefixed."""
+    store = _get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _kill_self_when_told(key: str) -> None:
+    # A client of its own: a blocking wait holds its client's connection, which
+    # the process group also uses.
+    shared = _job_store()
+    store = dist.TCPStore(shared.host, shared.port, is_master=False, timeout=datetime.timedelta(seconds=300))
     store.wait([key])
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_until_a_peer_dies(rank: int, world_size: int, victim: int) -> str:
-    store = _get_default_store()
     if rank == victim == SERVER:
-        threading.Thread(target=_kill_self_when_told, args=(store, "kill"), daemon=True).start()
+        threading.Thread(target=_kill_self_when_told, args=("kill",), daemon=True).start()
     model, optimizer = _model_and_optimizer()
     strategy = commsched.Strategy(backend="ps", num_servers=SERVERS, timeout_s=TIMEOUT_S)
     try:
@@ -60,7 +73,7 @@ def train_until_a_peer_dies(rank: int, world_size: int, victim: int) -> str:
                 if rank == victim:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if rank == 0:
-                    store.set("kill", "1")
+                    _job_store().set("kill", "1")
                 killed_at = time.monotonic()
             x = torch.randn(8, 32, generator=generator)
             F.mse_loss(model(x), torch.zeros(8, 4)).backward()

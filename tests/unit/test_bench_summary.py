@@ -36,3 +36,20 @@ def test_table_and_plot(tmp_path):
     header, separator = table.splitlines()[:2]
     assert header.count("|") == separator.count("|")
     assert plot(rows, tmp_path / "speedup.png").stat().st_size > 5000
+
+
+def test_parameter_server_bound_is_the_busiest_server_link():
+    from commsched.bench import ps_name
+
+    cell = Cell("vgg-like", 1.0, 2, 64, ps_servers=2)
+    runs = [run(0.1, 0.4, 1.0, 0.9, 0.95, 0.625)]
+    runs[0][ps_name(2)] = {"iteration_times_s": [0.5] * 3, "server_bytes": [30_000_000, 20_000_000]}
+    row = summarize(cell, runs)
+    # 2 workers push (and pull) the busiest server's 30 MB over 1 Gbit/s links: 0.48 s each way.
+    assert row["ps_link_bound_ms"] == pytest.approx(480)
+    assert row["ps_bound_ms"] == pytest.approx(480)
+    assert row["ps_efficiency"] == pytest.approx(0.48 / 0.5)
+    assert row["ps_speedup_vs_ddp"] == pytest.approx(2.0)
+    assert row["ps_server_imbalance"] == pytest.approx(1.2)
+    table = markdown([row])
+    assert "| vgg-like | 2 + 2 | 1 | 500 | 480 (480) | 2.00 | 0.80 | 0.96 | 1.200 |" in table
