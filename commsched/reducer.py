@@ -208,6 +208,9 @@ class GradientReducer:
             self.strategy.partition_bytes,
         )
         self._executor = PlanExecutor(self.partitions, fifo_plan(self.partitions), self.strategy.credit_bytes)
+        layout = self.backend.layout_summary()
+        if layout is not None and self._tracer is not None:
+            self._tracer.note("layout", summary=layout)
         if self.strategy.priority:
             self._profile = ReadyTimeProfile(len(self.buckets))
 

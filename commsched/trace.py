@@ -51,6 +51,13 @@ class Tracer:
         with self._lock:
             self._events.append(event)
 
+    def note(self, name: str, **args: Any) -> None:
+        """An instant event: something worth reading next to the timeline (a plan, a layout)."""
+        event = {"name": name, "ph": "i", "s": "p", "pid": self.rank, "tid": "compute", "ts": now_us(),
+                 "args": {"iteration": self.iteration, **args}}
+        with self._lock:
+            self._events.append(event)
+
     def begin(self, row: str, key: int) -> None:
         self._open[(row, key)] = now_us()
 

@@ -101,6 +101,10 @@ class Backend(abc.ABC):
     def finish(self) -> None:
         """No more iterations: release peers waiting for this rank (idempotent)."""
 
+    def layout_summary(self) -> str | None:
+        """A readable account of where the partitions go, for logs and traces (None: nothing to say)."""
+        return None
+
     def fetch_optimizer_state(self) -> None:
         """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""
 

@@ -215,6 +215,15 @@ class ParameterServerBackend(Backend):
             logger.info("commsched: parameter-server sharding: %s", self.plan.summary(self.roles.servers))
         return list(self.plan.blocks)
 
+    def layout_summary(self) -> str | None:
+        if self.plan is None:
+            return None
+        placement = "; ".join(
+            f"block {b.pid} (bucket {b.bucket}, elements {b.start}:{b.end}, {b.nbytes} bytes) on rank "
+            f"{self.roles.servers[server]}" for b, server in zip(self.plan.blocks, self.plan.servers)
+        )
+        return f"{self.plan.summary(self.roles.servers)}. {placement}"
+
     def make_updater(self) -> PulledValues:
         return PulledValues(self.optimizer, self.kind, self._stages)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,6 +271,29 @@ def case_async_training_converges(rank, world_size, servers):
         finish(model)
 
 
+def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
+    """The trace holds the sharding plan and one push-to-pull span per block per iteration."""
+    import json
+    import tempfile
+
+    workers = world_size - servers
+    directory = tempfile.mkdtemp(prefix="commsched-ps-trace-")
+    model, optimizer, _, _ = fresh_pair("sgd")
+    if prepare_or_serve(model, optimizer, servers, partition_mb=0.0005, trace_dir=directory) is None:
+        return
+    try:
+        _train(model, optimizer, rank, workers, list(enumerate(batches(workers, iterations=5))))
+    finally:
+        finish(model)
+    model._commsched_reducer._tracer.write()
+    events = json.loads((Path(directory) / f"rank{rank}.json").read_text())["traceEvents"]
+    notes = [e for e in events if e.get("ph") == "i" and e["name"] == "layout"]
+    assert len(notes) == 1 and "most loaded / mean" in notes[0]["args"]["summary"]
+    wire = [e for e in events if e.get("tid") == "wire" and e["ph"] == "X"]
+    blocks = len(model._commsched_reducer.partitions)
+    assert len(wire) == 5 * blocks, (len(wire), blocks)
+
+
 def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
     cases = {}
     for index, (optimizer_name, strategy_name) in enumerate(itertools.product(OPTIMIZERS, PS_STRATEGIES)):
@@ -284,6 +308,7 @@ def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
             ("buffers_stay_on_workers", case_buffers_stay_on_workers),
             ("misuse_gives_clear_errors", case_misuse_gives_clear_errors),
             ("async_training_converges", case_async_training_converges),
+            ("trace_shows_layout_and_round_trips", case_trace_shows_layout_and_round_trips),
         ):
             cases[name] = functools.partial(case, rank, world_size, servers)
     run_subtests(cases)
