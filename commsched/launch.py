@@ -30,6 +30,10 @@ GRACE_AFTER_FAILURE_S = 15.0
 too, quickly, once their peer's sockets close)."""
 
 
+EXIT_GRACE_S = 30.0
+"""How long ranks that reported success get to exit before it counts as a failure."""
+
+
 class RanksFailed(AssertionError):
     """One or more ranks raised, died or did not finish in time."""
 
@@ -67,8 +71,10 @@ def run_ranks(
     ]
     for process in processes:
         process.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
     try:
         outcomes = _collect(processes, results, timeout_s)
+        _await_clean_exits(processes, outcomes)
     finally:
         for process in processes:
             if process.is_alive():
@@ -113,6 +119,25 @@ def _collect(processes: list, results: queue.Queue, timeout_s: float) -> dict[in
             outcomes[rank] = (False, f"did not finish within the time limit ({timeout_s:g} s or "
                                      f"{GRACE_AFTER_FAILURE_S:g} s after another rank failed); killed")
     return outcomes
+
+
+def _await_clean_exits(processes: list, outcomes: dict[int, tuple[bool, Any]]) -> None:
+    """A rank that reported success must also exit cleanly.
+
+    An abort while the interpreter shuts down (a communication thread still
+    running Python, a C++ thread destroyed while joinable) happens after the
+    report; without this check it would go unnoticed.
+    """
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for rank, process in enumerate(processes):
+        if not outcomes[rank][0]:
+            continue
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.exitcode is None:
+            outcomes[rank] = (False, f"reported success but did not exit within {EXIT_GRACE_S:g} s")
+        elif process.exitcode != 0:
+            outcomes[rank] = (False, f"reported success, then exited with code {process.exitcode} "
+                                     "(it crashed while shutting down)")
 
 
 def _rank_main(
