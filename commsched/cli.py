@@ -26,7 +26,12 @@ def _demo(args: argparse.Namespace) -> int:
         systems=((DDP, None), (f"{COMMSCHED}, scheduling off", args.unscheduled), (COMMSCHED, args.strategy)),
         show_progress=not args.no_progress,
     )
-    results = run_demo(config, world_size=args.world_size)
+    if args.ps_servers:
+        servers = args.ps_servers
+        ps = replace(args.strategy, backend="ps", num_servers=servers)
+        name = f"{COMMSCHED} PS, {servers} server{'s' if servers > 1 else ''}"
+        config = replace(config, systems=(*config.systems, (name, ps)), num_servers=servers)
+    results = run_demo(config, world_size=args.world_size + args.ps_servers)
     agree = render_report(results, config, args.world_size)
     return 0 if agree else 1
 
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
     demo.add_argument("--warmup", type=int, default=3)
     demo.add_argument("--bucket-cap-mb", type=float, default=Strategy().bucket_cap_mb)
+    demo.add_argument("--ps-servers", type=int, default=1,
+                      help="extra ranks serving a parameter-server row (default 1; 0 leaves it out)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(action=_demo)
 
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if getattr(args, "ps_servers", 0) < 0:
+        parser.error("--ps-servers must be at least 0")
     if hasattr(args, "bucket_cap_mb"):
         try:
             args.strategy = Strategy(bucket_cap_mb=args.bucket_cap_mb)

@@ -21,9 +21,10 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
                   console: Console | None = None) -> bool:
     """Print the comparison table; return True if the losses agree to the shown precision."""
     console = console or Console(width=max(Console().width, 120))
+    servers = f" (+{config.num_servers} serving the parameter-server row)" if config.num_servers else ""
     table = Table(title=(
-        f"{config.workload}, {world_size} ranks on loopback (gloo), batch {config.batch_size} per rank, "
-        f"{config.rounds} interleaved rounds x {config.iterations} iterations"
+        f"{config.workload}, {world_size} ranks{servers} on loopback (gloo), batch {config.batch_size} per "
+        f"rank, {config.rounds} interleaved rounds x {config.iterations} iterations"
     ))
     for column in ("system", "median iteration (ms)", "p10-p90 (ms)", "vs torch DDP",
                    "final train loss", "held-out loss"):
@@ -49,5 +50,7 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
         "Loopback has no network bottleneck: communication here costs CPU, not link time, so "
         "scheduling has little to hide and small models pay for its extra collectives. "
         "`commsched bench` (root) measures emulated hosts with shaped links; docs/benchmarks.md."
+        + (" The parameter-server row sends every byte to a server and back, and its server shares "
+           "the same cores." if config.num_servers else "")
     )
     return agree
