@@ -182,23 +182,6 @@ def place_blocks(block_nbytes: Sequence[int], num_servers: int) -> list[int]:
     return servers
 
 
-def plan_sharding(
-    bucket_slots: Sequence[Sequence[int]],
-    numels: Sequence[int],
-    row_numels: Sequence[int],
-    element_sizes: Sequence[int],
-    bucket_priorities: Sequence[int],
-    block_bytes: int,
-    num_servers: int,
-    min_block_bytes: int | None = None,
-) -> ShardingPlan:
-    """`make_blocks` then `place_blocks`."""
-    blocks, segments = make_blocks(
-        bucket_slots, numels, row_numels, element_sizes, bucket_priorities, block_bytes, min_block_bytes
-    )
-    return ShardingPlan(blocks, segments, place_blocks([b.nbytes for b in blocks], num_servers), num_servers)
-
-
 def plan_model_sharding(
     params: Sequence[torch.Tensor],
     bucket_slots: Sequence[Sequence[int]],
@@ -206,7 +189,7 @@ def plan_model_sharding(
     block_bytes: int,
     num_servers: int,
 ) -> ShardingPlan:
-    """`plan_sharding` for a model's trainable parameters laid out in ``bucket_slots``.
+    """Blocks of a model's trainable parameters laid out in ``bucket_slots``, and their servers.
 
     ``block_bytes`` is lowered, if needed, to about `BLOCKS_PER_SERVER` blocks per server.
     """
@@ -215,4 +198,5 @@ def plan_model_sharding(
     block_bytes = min(block_bytes, max(MIN_BLOCK_BYTES, total // (BLOCKS_PER_SERVER * num_servers)))
     rows = [p.numel() // p.shape[0] if p.dim() > 0 and p.shape[0] > 0 else max(1, p.numel()) for p in params]
     sizes = [params[slots[0]].element_size() for slots in bucket_slots]
-    return plan_sharding(bucket_slots, numels, rows, sizes, bucket_priorities, block_bytes, num_servers)
+    blocks, segments = make_blocks(bucket_slots, numels, rows, sizes, bucket_priorities, block_bytes)
+    return ShardingPlan(blocks, segments, place_blocks([b.nbytes for b in blocks], num_servers), num_servers)

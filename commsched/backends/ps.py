@@ -37,7 +37,7 @@ from commsched.ps.protocol import (
 from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
 from commsched.scheduler import Partition
-from commsched.sharding import ShardingPlan, plan_model_sharding
+from commsched.sharding import Segment, ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
 from commsched.updates import encode_hyperparameters, hyperparameter_snapshot, optimizer_kind
 
@@ -311,42 +311,43 @@ class ParameterServerBackend(Backend):
 
     def push_optimizer_state(self) -> None:
         """Send ``optimizer.state`` (just loaded from a checkpoint) to the servers."""
-        if self.plan is None or self._finished:  # nothing built yet, or released
-            return
-        plan = self.plan
-        for index, server in enumerate(self.roles.servers):
-            self._send_command(server, Command.SET_STATE)
-            for pid in plan.blocks_of(index):
-                block, segments = plan.blocks[pid], plan.segments[pid]
-                states = []
-                for segment in segments:
-                    state = self.optimizer.state.get(self.params[segment.slot])
-                    states.append(None if not state else {
-                        key: (value.reshape(-1)[segment.param_start:segment.param_start + segment.numel]
-                              if isinstance(value, torch.Tensor) and value.dim() > 0 else value)
-                        for key, value in state.items()
-                    })
-                message = pack_block_state(self.kind, segments, states, block.end - block.start,
-                                           self._stages[block.bucket].dtype)
-                self._send(message, server, STATE_TAG, f"the optimizer state of block {pid}")
-            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, "the state acknowledgement")
+
+        def message(block: Partition, segments: list[Segment]) -> torch.Tensor:
+            states = []
+            for segment in segments:
+                state = self.optimizer.state.get(self.params[segment.slot])
+                states.append(None if not state else {
+                    key: (value.reshape(-1)[segment.param_start:segment.param_start + segment.numel]
+                          if isinstance(value, torch.Tensor) and value.dim() > 0 else value)
+                    for key, value in state.items()
+                })
+            return pack_block_state(self.kind, segments, states, block.end - block.start,
+                                    self._stages[block.bucket].dtype)
+
+        self._send_every_block(Command.SET_STATE, message, STATE_TAG, "optimizer state")
 
     @torch.no_grad()
     def push_parameters(self) -> None:
         """Send the workers' parameter values (just loaded from a checkpoint) to the servers."""
+
+        def message(block: Partition, segments: list[Segment]) -> torch.Tensor:
+            return torch.cat([self.params[s.slot].detach().reshape(-1)[s.param_start:s.param_start + s.numel]
+                              for s in segments])
+
+        self._send_every_block(Command.SET_PARAMETERS, message, PARAMS_TAG, "values")
+
+    def _send_every_block(
+        self, command: Command, message: Callable[[Partition, list[Segment]], torch.Tensor], tag: int, what: str
+    ) -> None:
+        """``command`` to each server, then one message per block it holds; wait for its acknowledgement."""
         if self.plan is None or self._finished:  # nothing built yet, or released
             return
         plan = self.plan
         for index, server in enumerate(self.roles.servers):
-            self._send_command(server, Command.SET_PARAMETERS)
+            self._send_command(server, command)
             for pid in plan.blocks_of(index):
-                block, segments = plan.blocks[pid], plan.segments[pid]
-                values = torch.cat([
-                    self.params[s.slot].detach().reshape(-1)[s.param_start:s.param_start + s.numel]
-                    for s in segments
-                ])
-                self._send(values, server, PARAMS_TAG, f"the values of block {pid}")
-            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, "the parameters acknowledgement")
+                self._send(message(plan.blocks[pid], plan.segments[pid]), server, tag, f"the {what} of block {pid}")
+            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, f"the acknowledgement of the {what}")
 
     def finish(self) -> None:
         """Tell the servers this worker is done (idempotent; also run at exit)."""
