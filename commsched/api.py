@@ -90,6 +90,12 @@ def _check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group
             "Strategy(backend='ps') needs the optimizer: the parameter servers run it. Pass the "
             "optimizer to prepare()"
         )
+    devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
+    if devices - {"cpu"}:
+        raise ValueError(
+            f"Strategy(backend='ps') moves CPU tensors over gloo, but the model has parameters on "
+            f"{', '.join(sorted(devices - {'cpu'}))}; use Strategy(backend='allreduce') for GPU models"
+        )
     try:
         optimizer_kind(optimizer)
     except ValueError as error:
@@ -115,7 +121,7 @@ def join_parameter_server_job(
     buffer_group = None
     if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
         buffer_group = dist.new_group(roles.workers)
-    transport = dist.new_group(list(range(dist.get_world_size())))
+    transport = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
     _PS_JOBS += 1
     board = FailureBoard(f"commsched/ps/{_PS_JOBS}")
     if roles.is_server:

@@ -47,20 +47,23 @@ def _job_store() -> dist.TCPStore:
     return store
 
 
-def _kill_self_when_told(key: str) -> None:
+def _signal_self_when_told(key: str, signum: int) -> None:
     # A client of its own: a blocking wait holds its client's connection, which
     # the process group also uses.
     shared = _job_store()
     store = dist.TCPStore(shared.host, shared.port, is_master=False, timeout=datetime.timedelta(seconds=300))
     store.wait([key])
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signum)
 
 
-def train_until_a_peer_dies(rank: int, world_size: int, victim: int) -> str:
+def train_until_a_peer_dies(
+    rank: int, world_size: int, victim: int, signum: int = signal.SIGKILL, timeout_s: float = TIMEOUT_S
+) -> str:
     if rank == victim == SERVER:
-        threading.Thread(target=_kill_self_when_told, args=("kill",), daemon=True).start()
+        _job_store().set("server pid", str(os.getpid()))
+        threading.Thread(target=_signal_self_when_told, args=("kill", signum), daemon=True).start()
     model, optimizer = _model_and_optimizer()
-    strategy = commsched.Strategy(backend="ps", num_servers=SERVERS, timeout_s=TIMEOUT_S)
+    strategy = commsched.Strategy(backend="ps", num_servers=SERVERS, timeout_s=timeout_s)
     try:
         model, optimizer = commsched.prepare(model, optimizer, strategy)
     except ServingFinished:
@@ -71,7 +74,7 @@ def train_until_a_peer_dies(rank: int, world_size: int, victim: int) -> str:
         for iteration in range(1000):
             if iteration == KILL_AT:
                 if rank == victim:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signum)
                 if rank == 0:
                     _job_store().set("kill", "1")
                 killed_at = time.monotonic()
@@ -97,6 +100,22 @@ def worker_loss_is_named(rank: int, world_size: int) -> str:
     message = train_until_a_peer_dies(rank, world_size, victim=1)
     assert "worker rank 1 was lost" in message, message
     return message
+
+
+def hung_server_times_out(rank: int, world_size: int) -> str:
+    """A stopped (not dead) server: its sockets stay open, so only the timeout can tell."""
+    message = train_until_a_peer_dies(rank, world_size, victim=SERVER, signum=signal.SIGSTOP, timeout_s=3.0)
+    assert f"parameter server rank {SERVER}" in message and "within 3 s" in message, message
+    if rank == 0:
+        os.kill(int(_job_store().get("server pid")), signal.SIGKILL)  # it would never report
+    return message
+
+
+def test_hung_server_gives_every_worker_a_timeout(ranks):
+    with pytest.raises(RanksFailed) as failure:
+        ranks(hung_server_times_out, WORKERS + SERVERS, timeout_s=120, collective_timeout_s=60)
+    report = str(failure.value)
+    assert "1 of 3 ranks failed" in report and f"----- rank {SERVER} -----" in report, report
 
 
 def test_killed_server_is_named_by_every_worker(ranks):
