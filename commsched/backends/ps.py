@@ -100,8 +100,15 @@ class _Waiter:
                     failed = error
             completion.finish(failed)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float) -> None:
+        """End the thread and wait for it.
+
+        It must be gone before the interpreter finalises: dropping a receive's
+        ``Work`` takes the GIL, and a thread that cannot get it then is
+        unwound through a C++ destructor, which aborts the process.
+        """
         self._queue.put((None, None))
+        self._thread.join(timeout=timeout_s)
 
 
 class _BlockHandle:
@@ -362,7 +369,7 @@ class ParameterServerBackend(Backend):
                 logger.warning("commsched: could not tell every parameter server that rank %d finished",
                                self.roles.rank, exc_info=True)
         for waiter in self._waiters.values():
-            waiter.stop()
+            waiter.stop(timeout_s=min(self.strategy.timeout_s, 30.0))
 
     # ---------------------------------------------------------------- helpers
     def _send_command(self, server: int, command: Command) -> None:
