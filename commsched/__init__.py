@@ -2,6 +2,9 @@
 
 Glossary
 --------
+block
+    with parameter servers: a row-aligned slice of a bucket, held by one server
+    (`commsched.sharding`); each block is one partition on the wire.
 bucket
     parameters whose gradients live contiguously in one flat buffer (one dtype
     and device); each ``param.grad`` is a view into it.
@@ -10,6 +13,9 @@ handle
 reducer
     the per-model object that turns "gradient ready" into "gradient averaged
     over all ranks", launching buckets in one order on every rank.
+server
+    with ``Strategy(backend="ps")``, one of the last ``num_servers`` ranks: it
+    holds blocks, runs the optimizer on them and sends the new values back.
 strategy
     the single, validated object holding every knob (`Strategy`).
 """
