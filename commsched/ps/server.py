@@ -187,18 +187,18 @@ class ParameterServer:
         self._how_finished: dict[int, str] = {}
         while len(finished) < self.num_workers:
             event = self._events.get()
-            kind, worker = event[0], event[1]
+            kind, w = event[0], event[1]  # w: the worker's index among the workers
             if kind == "push":
-                self._on_push(worker, event[2])
+                self._on_push(w, event[2])
             elif kind == "header":
-                self._on_header(worker, event[2], event[3], finished)
+                self._on_header(w, event[2], event[3], finished)
             elif kind == "finish":
-                self._on_finish(worker, finished, "finished")
+                self._on_finish(w, finished, "finished")
             elif kind == "gone":
-                self._on_gone(worker, event[2], finished)
+                self._on_gone(w, event[2], finished)
             elif kind == "lost":
-                self._fail(f"worker rank {self.roles.workers[worker]} was lost by parameter server rank "
-                           f"{self.roles.rank} during iteration {self._header_iteration[worker] + 1}: {event[2]}")
+                self._fail(f"worker rank {self.roles.workers[w]} was lost by parameter server rank "
+                           f"{self.roles.rank} during iteration {self._header_iteration[w] + 1}: {event[2]}")
         for thread in threads:
             thread.join(timeout=THREAD_JOIN_S)
         for sends in self._pull_sends.values():
