@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -189,16 +190,12 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
 
 def _serve(base: torch.nn.Module, make_optimizer, config: ComparisonConfig) -> None:
     """A server rank: serve every parameter-server system at once, each on its own thread."""
-    import threading
-
-    from commsched.api import prepare_server
-
     threads, failures = [], []
     for name, strategy in config.systems:
         if not _is_parameter_server(strategy):
             continue
         model = copy.deepcopy(base)
-        server = prepare_server(model, make_optimizer(model), strategy)
+        server = commsched.api.prepare_server(model, make_optimizer(model), strategy)
 
         def serve(server=server, name=name) -> None:
             try:

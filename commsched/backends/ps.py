@@ -39,7 +39,7 @@ from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block
 from commsched.scheduler import Partition
 from commsched.sharding import Segment, ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
-from commsched.updates import encode_hyperparameters, hyperparameter_snapshot, optimizer_kind
+from commsched.updates import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
 
 logger = logging.getLogger("commsched")
 
@@ -375,11 +375,9 @@ class ParameterServerBackend(Backend):
     def _send_command(self, server: int, command: Command) -> None:
         self._wait_all(self._header_works, "an iteration header")
         self._header_works = []
-        header = make_header(command, self._iteration, False, [0.0] * self._hyperparameter_count())
+        padding = [0.0] * encoded_length(self.kind, len(self.optimizer.param_groups))
+        header = make_header(command, self._iteration, False, padding)
         self._send(header, server, HEADER_TAG, f"a {command.name} command")
-
-    def _hyperparameter_count(self) -> int:
-        return len(encode_hyperparameters(self.kind, hyperparameter_snapshot(self.optimizer, self.kind)))
 
     def _send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
         work = dist.isend(tensor, dst=server, tag=tag, group=self.group)

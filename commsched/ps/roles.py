@@ -60,13 +60,6 @@ class PSRoles:
     def server_index(self) -> int:
         return self.servers.index(self.rank)
 
-    @property
-    def worker_index(self) -> int:
-        return self.workers.index(self.rank)
-
-    def describe(self, rank: int) -> str:
-        return f"{'server' if rank in self.servers else 'worker'} rank {rank}"
-
 
 class FailureBoard:
     """Notes in the job's key-value store, readable by every rank.

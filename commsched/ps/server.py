@@ -250,10 +250,17 @@ class ParameterServer:
         self._hyperparameters[w] = hyperparameters
         self._header_iteration[w] = iteration
         self.report.iterations = max(self.report.iterations, iteration + 1)
-        if self.strategy.ps_mode == "sync":
-            for other, count in finished.items():
-                if iteration >= count:
-                    self._fail_uneven(other, count, f"worker rank {self.roles.workers[w]} began iteration {iteration + 1}")
+        self._check_even(finished)
+
+    def _check_even(self, finished: dict[int, int]) -> None:
+        """In sync mode, no worker may begin an iteration that a finished worker will never push."""
+        if self.strategy.ps_mode != "sync":
+            return
+        for done, count in finished.items():
+            for w in range(self.num_workers):
+                if w not in finished and self._header_iteration[w] >= count:
+                    began = f"worker rank {self.roles.workers[w]} began iteration {self._header_iteration[w] + 1}"
+                    self._fail_uneven(done, count, began)
 
     def _fail_uneven(self, w: int, count: int, meanwhile: str) -> None:
         worker, how = self.roles.workers[w], self._how_finished[w]
@@ -273,10 +280,7 @@ class ParameterServer:
         self._how_finished[w] = how
         if self.strategy.ps_mode == "sync" and any(self._arrived.values()):
             self._fail_uneven(w, finished[w], "other workers' gradients of the next iteration had arrived")
-        if self.strategy.ps_mode == "sync":
-            for other in range(self.num_workers):
-                if other not in finished and self._header_iteration[other] >= finished[w]:
-                    self._on_header(other, self._header_iteration[other], self._hyperparameters[other], finished)
+        self._check_even(finished)
 
     def _on_gone(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
         """Its connection closed between iterations; see [Note: finished or lost]."""
