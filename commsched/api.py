@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 from typing import TypeVar
 
 import torch
@@ -129,7 +128,6 @@ def join_parameter_server_job(
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     backend = ParameterServerBackend(strategy, roles, transport, optimizer, params, board)
     reducer = GradientReducer(model, optimizer, strategy, backend, worker_group, buffer_group)
-    atexit.register(backend.finish)
     return reducer
 
 

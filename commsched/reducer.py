@@ -155,7 +155,7 @@ class GradientReducer:
         if strategy.trace_dir is not None:
             self._tracer = Tracer(strategy.trace_dir, dist.get_rank(process_group))
             atexit.register(self._tracer.write)
-        atexit.register(_drain_at_exit, weakref.ref(self))  # runs before the trace is written
+        atexit.register(_at_exit, weakref.ref(self))  # runs before the trace is written
 
         self._modules = list(module.modules())
         self._fingerprint = self._take_fingerprint()
@@ -265,6 +265,26 @@ class GradientReducer:
         self._hook_handles.clear()
         if self._tracer is not None:
             self._tracer.write()
+
+    def finish_at_exit(self) -> None:
+        """Release peers, wait for callbacks, and let go of the process groups.
+
+        [Note: process groups at exit] The model, its hooks and this reducer form
+        reference cycles, which the garbage collector breaks only while the
+        interpreter finalizes. A process group that only this reducer still
+        holds (its buffer group, or one the user destroyed) would be freed then:
+        its destructor joins gloo's worker threads, which may still need the
+        interpreter lock to drop a finished operation's tensors; a thread that
+        asks for it during finalization is ended from inside a C++ destructor,
+        and the process aborts ("terminate called without an active exception")
+        after a clean run. So at exit, while every thread can still run, the
+        reducer lets go of its groups and such a group is freed there.
+        """
+        self.backend.finish()
+        self.drain_callbacks()
+        self._handles = [[] for _ in self._handles]
+        self.process_group = self.buffer_group = None  # type: ignore[assignment]
+        self.backend.forget_process_groups()
 
     # ------------------------------------------------------------- public API
     @contextmanager
@@ -719,10 +739,10 @@ class GradientReducer:
         )
 
 
-def _drain_at_exit(reducer_ref: weakref.ref) -> None:
+def _at_exit(reducer_ref: weakref.ref) -> None:
     reducer = reducer_ref()
     if reducer is not None:
-        reducer.drain_callbacks()
+        reducer.finish_at_exit()
 
 
 def _is_completed(handle: Handle) -> bool:

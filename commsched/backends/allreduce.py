@@ -50,5 +50,8 @@ class AllReduceBackend(Backend):
         work = dist.all_reduce(bucket.flat[start:end], group=self.process_group, async_op=True)
         return _WorkHandle(work, bucket, start, end)
 
+    def forget_process_groups(self) -> None:
+        self.process_group = None  # type: ignore[assignment]
+
 
 _COMPLETED = CompletedHandle()

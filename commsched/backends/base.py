@@ -101,6 +101,9 @@ class Backend(abc.ABC):
     def finish(self) -> None:
         """No more iterations: release peers waiting for this rank (idempotent)."""
 
+    def forget_process_groups(self) -> None:
+        """At exit, after `finish`: drop references to process groups (see [Note: process groups at exit])."""
+
     def layout_summary(self) -> str | None:
         """A readable account of where the partitions go, for logs and traces (None: nothing to say)."""
         return None

@@ -371,6 +371,9 @@ class ParameterServerBackend(Backend):
         for waiter in self._waiters.values():
             waiter.stop(timeout_s=min(self.strategy.timeout_s, 30.0))
 
+    def forget_process_groups(self) -> None:
+        self.group = None  # type: ignore[assignment]
+
     # ---------------------------------------------------------------- helpers
     def _send_command(self, server: int, command: Command) -> None:
         self._wait_all(self._header_works, "an iteration header")

@@ -205,6 +205,7 @@ class ParameterServer:
             for work, _, _ in sends:
                 self._wait(work, self._timeout, quiet=True)
         logger.info("commsched: %s", report.describe())
+        self.group = None  # type: ignore[assignment]  # see [Note: process groups at exit]
         return report
 
     def _receive_from(self, w: int) -> None:
