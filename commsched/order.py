@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from commsched.backends.base import wait_or_raise
 from torch.utils._pytree import tree_leaves
 
 
@@ -90,10 +92,14 @@ class ForwardRecorder:
         return order
 
 
-def agree_on_order(order: list[int], group: dist.ProcessGroup) -> list[int]:
-    """Rank 0's order on every rank (ranks may see different control flow)."""
+def agree_on_order(order: list[int], group: dist.ProcessGroup, timeout_s: float) -> list[int]:
+    """Rank 0's order on every rank (ranks may see different control flow).
+
+    A peer that never joins raises `CommunicationTimeout` after ``timeout_s``.
+    """
     if dist.get_world_size(group) == 1:
         return order
     tensor = torch.tensor(order, dtype=torch.int64)
-    dist.broadcast(tensor, group=group, group_src=0)
+    work = dist.broadcast(tensor, group=group, group_src=0, async_op=True)
+    wait_or_raise(work, timeout_s, "the agreement on the parameter order (first forward pass)")
     return tensor.tolist()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from commsched.backends.base import wait_or_raise
 from commsched.scheduler import LinkModel, Partition, robust_plan, simulate_schedule
 
 LINK_SAFETY_FACTOR = 0.8
@@ -70,13 +71,14 @@ class ReadyTimeProfile:
         return statistics.median(nbytes / max(seconds, 1e-9) for nbytes, seconds in self._transfers)
 
 
-def measure_latency(group: dist.ProcessGroup, repeats: int = 5) -> float:
+def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
     """Median time of a one-element all-reduce (collective: every rank calls it)."""
     buffer = torch.zeros(1)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dist.all_reduce(buffer, group=group)
+        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s,
+                      "the latency measurement before agreeing on a plan")
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -86,20 +88,23 @@ def plan_on_rank0(
     profile: ReadyTimeProfile,
     credit_bytes: int | None,
     group: dist.ProcessGroup,
+    timeout_s: float,
 ) -> list[int]:
     """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan.
 
-    Collective: every rank calls it at the same point. The link is modelled by
+    Collective: every rank calls it at the same point; a peer that does not
+    raises `CommunicationTimeout` after ``timeout_s``. The link is modelled by
     the measured latency and the bandwidth seen while training; if the link is
     faster than that, non-urgent partitions merely go a little later, never
     ahead of urgent ones.
     """
-    latency = measure_latency(group)
+    latency = measure_latency(group, timeout_s)
     bytes_per_s = (profile.loaded_bytes_per_s() or 1e12) * LINK_SAFETY_FACTOR
     link = LinkModel(latency_s=latency, bytes_per_s=bytes_per_s)
     ready = profile.median_ready_s()
     schedule = simulate_schedule(partitions, ready, link, credit_bytes, by_priority=True)
     plan = torch.tensor(robust_plan(partitions, schedule, max(ready, default=0.0)), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
-        dist.broadcast(plan, group=group, group_src=0)
+        work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
+        wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
     return plan.tolist()

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from commsched.backends.base import Backend, Handle
+from commsched.backends.base import Backend, CommunicationTimeout, Handle
 from commsched.buckets import Bucket, bucket_layout
 from commsched.consistency import broadcast_from_rank0
 from commsched.order import ForwardRecorder, agree_on_order
@@ -428,7 +428,9 @@ class GradientReducer:
         plan = None
         if self._iteration == PLAN_ITERATION and self._profile is not None:
             started = time.perf_counter()
-            plan = plan_on_rank0(self.partitions, self._profile, self.strategy.credit_bytes, self.process_group)
+            with self._peer_failures_explained():
+                plan = plan_on_rank0(self.partitions, self._profile, self.strategy.credit_bytes,
+                                     self.process_group, self.strategy.timeout_s)
             self._executor = PlanExecutor(self.partitions, plan, self.strategy.credit_bytes)
             logger.info(
                 "commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
@@ -525,6 +527,15 @@ class GradientReducer:
         """Wait until every completion callback has run (see [Note: callbacks at exit])."""
         with self._callbacks_done:
             self._callbacks_done.wait_for(lambda: not self._callbacks_pending, timeout=timeout_s)
+
+    @contextmanager
+    def _peer_failures_explained(self) -> Iterator[None]:
+        """Let the backend name the lost rank when a collective among the workers fails."""
+        try:
+            yield
+        except CommunicationTimeout as error:
+            self.backend.explain_failure(error)
+            raise
 
     @contextmanager
     def _issuing(self) -> Iterator[None]:
@@ -695,7 +706,9 @@ class GradientReducer:
         recorder, self._recorder = self._recorder, None
         self._after_first_forward_handle.remove()
         recorder.finish()
-        order = agree_on_order(recorder.parameter_order(self._params), self.process_group)
+        with self._peer_failures_explained():
+            order = agree_on_order(recorder.parameter_order(self._params), self.process_group,
+                                   self.strategy.timeout_s)
         self._build(order, recorder.used_before_owner)
 
     def _take_fingerprint(self) -> list[object]:

@@ -101,6 +101,9 @@ class Backend(abc.ABC):
     def finish(self) -> None:
         """No more iterations: release peers waiting for this rank (idempotent)."""
 
+    def explain_failure(self, error: CommunicationTimeout) -> None:
+        """A collective among the workers failed: raise a more precise error if one is known."""
+
     def forget_process_groups(self) -> None:
         """At exit, after `finish`: drop references to process groups (see [Note: process groups at exit])."""
 

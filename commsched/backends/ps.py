@@ -43,6 +43,10 @@ from commsched.updates import encode_hyperparameters, encoded_length, hyperparam
 
 logger = logging.getLogger("commsched")
 
+NOTE_WAIT_S = 5.0
+"""How long a worker whose collective with the other workers failed waits for a
+server's note naming the lost worker (servers see a connection close at once)."""
+
 
 class _Completion:
     """A receive's outcome, set once by its waiter thread (see [Note: one waiter per receive])."""
@@ -370,6 +374,12 @@ class ParameterServerBackend(Backend):
                                self.roles.rank, exc_info=True)
         for waiter in self._waiters.values():
             waiter.stop(timeout_s=min(self.strategy.timeout_s, 30.0))
+
+    def explain_failure(self, error: CommunicationTimeout) -> None:
+        """Name the lost rank if a peer notes it soon (a server sees a worker vanish at once)."""
+        note = self.board.wait_for_failure(min(self.strategy.timeout_s, NOTE_WAIT_S))
+        if note:
+            raise CommunicationTimeout(f"{error} A peer reported: {note}.") from error
 
     def forget_process_groups(self) -> None:
         self.group = None  # type: ignore[assignment]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import logging
 from dataclasses import dataclass
 
@@ -66,31 +68,54 @@ class FailureBoard:
 
     A rank that sees a peer vanish writes who and when; every other rank, on its
     own communication error, reads the note to name the rank that was really
-    lost (its own error only says which connection closed).
+    lost (its own error only says which connection closed). A failure (a rank
+    was lost) outranks a departure (a worker left between iterations, which is
+    also how training ends when every worker exits without finishing).
     """
+
+    KINDS = ("failure", "departure")
 
     def __init__(self, prefix: str):
         self._prefix = prefix
         self._store = _default_store()
 
     def report_failure(self, text: str) -> None:
+        self._note("failure", text)
+
+    def report_departure(self, text: str) -> None:
+        self._note("departure", text)
+
+    def failure(self) -> str | None:
+        """The first failure noted, else the first departure, else None."""
+        if self._store is None:
+            return None
+        try:
+            for kind in self.KINDS:
+                if self._store.check([self._key(kind)]):
+                    return self._store.get(self._key(kind)).decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            return None
+        return None
+
+    def wait_for_failure(self, timeout_s: float) -> str | None:
+        """`failure`, waiting up to ``timeout_s`` for a first note (None: none came)."""
+        if self._store is None:
+            return None
+        try:
+            self._store.wait([self._key("noted")], datetime.timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a timeout, or the store is gone with the job
+            return None
+        return self.failure()
+
+    def _note(self, kind: str, text: str) -> None:
         if self._store is None:
             return
         try:
-            if not self._store.check([self._key("failure")]):
-                self._store.set(self._key("failure"), text)
+            if not self._store.check([self._key(kind)]):
+                self._store.set(self._key(kind), text)
+            self._store.set(self._key("noted"), kind)
         except Exception:  # noqa: BLE001 - the store may be gone with the job
-            logger.debug("commsched: could not record a failure note", exc_info=True)
-
-    def failure(self) -> str | None:
-        if self._store is None:
-            return None
-        try:
-            if self._store.check([self._key("failure")]):
-                return self._store.get(self._key("failure")).decode()
-        except Exception:  # noqa: BLE001
-            return None
-        return None
+            logger.debug("commsched: could not record a %s note", kind, exc_info=True)
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"

@@ -285,12 +285,16 @@ class ParameterServer:
 
     def _on_gone(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
         """Its connection closed between iterations; see [Note: finished or lost]."""
+        last = self._header_iteration[w]
+        when = f"after iteration {last}" if last >= 0 else "before its first iteration"
+        text = (f"worker rank {self.roles.workers[w]} closed its connection to parameter server rank "
+                f"{self.roles.rank} {when} without finishing ({error})")
         logger.warning(
-            "commsched: worker rank %d closed its connection to parameter server rank %d between "
-            "iterations without finishing (%s): %s", self.roles.workers[w], self.roles.rank, error,
+            "commsched: %s: %s", text,
             "training goes on without it" if self.strategy.ps_mode == "async" else
             "the end of training if every worker does the same, an error if another goes on",
         )
+        self.board.report_departure(text)  # read only by a worker whose own communication fails
         self._on_finish(w, finished, str(error))
 
     def _fail(self, text: str) -> None:

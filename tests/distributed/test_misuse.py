@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
 from commsched.testing import run_subtests
@@ -158,28 +159,42 @@ def test_misuse_raises_on_every_rank(ranks):
     ranks(misuse_grid, 2, timeout_s=180)
 
 
-def hung_peer(rank: int, world_size: int) -> float | None:
-    """Rank 1 stops participating; rank 0 must fail after Strategy.timeout_s, not hang."""
+HANG_POINTS = {
+    0: r"agreement on the parameter order .* within 2 s",  # the first forward pass
+    1: r"all-reduce of gradient bucket \d+ .* within 2 s",
+    3: r"latency measurement before agreeing on a plan .* within 2 s",  # the plan's collectives
+}
+
+
+def hung_peer(rank: int, world_size: int, hang_at: int) -> float | None:
+    """Rank 1 stops participating before iteration ``hang_at``; rank 0 must fail after
+    Strategy.timeout_s, not hang."""
+    store = _get_default_store()
     model, optimizer = prepared(commsched.Strategy(timeout_s=2.0))
-    train_step(model, optimizer)
+    for _ in range(hang_at):
+        train_step(model, optimizer)
     if rank == 1:
-        time.sleep(8)
-        # Rank 0 has given up and left. Whether this rank's reduction still completes
-        # (rank 0's half may already sit in its socket) or fails is up to timing; it
-        # must not hang, which the harness's timeout checks.
+        store.wait(["rank 0 gave up"])
+        # Rank 0 is leaving. Whether this rank's collective still completes (rank 0's
+        # half may already sit in its socket) or fails is up to timing; it must not
+        # hang, which the harness's timeout checks.
         try:
             train_step(model, optimizer)
         except commsched.CommunicationTimeout:
             pass
         return None
     start = time.monotonic()
-    with pytest.raises(commsched.CommunicationTimeout, match=r"all-reduce of gradient bucket \d+ .* within 2 s"):
-        train_step(model, optimizer)
-    return time.monotonic() - start
+    try:
+        with pytest.raises(commsched.CommunicationTimeout, match=HANG_POINTS[hang_at]):
+            train_step(model, optimizer)
+        return time.monotonic() - start
+    finally:
+        store.set("rank 0 gave up", "1")
 
 
-def test_hung_peer_times_out(ranks):
-    elapsed, _ = ranks(hung_peer, 2, timeout_s=120)
+@pytest.mark.parametrize("hang_at", sorted(HANG_POINTS))
+def test_hung_peer_times_out(ranks, hang_at):
+    elapsed, _ = ranks(hung_peer, 2, hang_at, timeout_s=120)
     assert 1.5 <= elapsed < 7.0, f"rank 0 gave up after {elapsed:.1f} s, expected about 2 s"
 
 

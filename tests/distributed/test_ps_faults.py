@@ -57,7 +57,8 @@ def _signal_self_when_told(key: str, signum: int) -> None:
 
 
 def train_until_a_peer_dies(
-    rank: int, world_size: int, victim: int, signum: int = signal.SIGKILL, timeout_s: float = TIMEOUT_S
+    rank: int, world_size: int, victim: int, signum: int = signal.SIGKILL, timeout_s: float = TIMEOUT_S,
+    kill_at: int = KILL_AT,
 ) -> str:
     if rank == victim == SERVER:
         _job_store().set("server pid", str(os.getpid()))
@@ -72,7 +73,7 @@ def train_until_a_peer_dies(
     killed_at = None
     try:
         for iteration in range(1000):
-            if iteration == KILL_AT:
+            if iteration == kill_at:
                 if rank == victim:
                     os.kill(os.getpid(), signum)
                 if rank == 0:
@@ -99,6 +100,13 @@ def server_loss_is_named(rank: int, world_size: int) -> str:
 def worker_loss_is_named(rank: int, world_size: int) -> str:
     message = train_until_a_peer_dies(rank, world_size, victim=1)
     assert "worker rank 1 was lost" in message, message
+    return message
+
+
+def worker_loss_before_the_plan_is_named(rank: int, world_size: int) -> str:
+    """Killed as iteration 3 starts, the worker leaves the others in the plan's collective."""
+    message = train_until_a_peer_dies(rank, world_size, victim=1, kill_at=3)
+    assert "plan" in message and "worker rank 1 closed its connection" in message, message
     return message
 
 
@@ -133,3 +141,12 @@ def test_killed_worker_is_named_by_the_server_and_the_other_worker(ranks):
     # The victim (rank 1) died, the server stopped with an error naming it, rank 0 passed its checks.
     assert "2 of 3 ranks failed" in report and "----- rank 0 -----" not in report, report
     assert "ParameterServerError" in report and "worker rank 1 was lost" in report, report
+
+
+def test_worker_killed_before_the_plan_is_named_by_the_other_worker(ranks):
+    with pytest.raises(RanksFailed) as failure:
+        ranks(worker_loss_before_the_plan_is_named, WORKERS + SERVERS, timeout_s=120, collective_timeout_s=60)
+    report = str(failure.value)
+    # Rank 0 passed its checks (rank 1 died; the server, whose workers both left between
+    # iterations, ended cleanly, which its rank function reports as a failure).
+    assert "----- rank 0 -----" not in report and "----- rank 1 -----" in report, report
