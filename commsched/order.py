@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from commsched.backends.base import wait_or_raise
-from torch.utils._pytree import tree_leaves
 
 
 class _ParameterUseMode(TorchFunctionMode):
