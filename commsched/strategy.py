@@ -67,9 +67,10 @@ class Strategy:
     ``commsched trace-report DIR`` or Perfetto. Off (None) it costs nothing."""
 
     timeout_s: float = 300.0
-    """Longest wait, in seconds, for one gradient reduction. A peer that died or
-    stopped participating gives a ``CommunicationTimeout`` naming the bucket
-    instead of a hang."""
+    """Longest wait, in seconds, for one gradient reduction (or for one of the few
+    collectives that agree on the order and the plan). A peer that died or
+    stopped participating gives a ``CommunicationTimeout`` naming what was
+    waited for instead of a hang."""
 
     backend: str = "allreduce"
     """``"allreduce"``: every rank trains and gradients are averaged with
@@ -85,6 +86,12 @@ class Strategy:
     block, averages and updates once (the same parameters as single-process
     training); ``"async"`` applies each worker's gradient (divided by the number
     of workers) as it arrives, and workers pull whatever is newest."""
+
+    ps_max_staleness: int | None = None
+    """With ``ps_mode="async"``: how many iterations a worker may run ahead of the
+    slowest worker still training. A worker further ahead gets its new values
+    only when the others catch up, so its next forward pass waits (stale
+    synchronous parallel). None: unbounded, the staleness is only reported."""
 
     def __post_init__(self) -> None:
         _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
@@ -108,6 +115,18 @@ class Strategy:
                 f"backend={self.backend!r} with num_servers={self.num_servers!r}, "
                 f"ps_mode={self.ps_mode!r}; set backend='ps' or leave them at their defaults"
             )
+        if self.ps_max_staleness is not None:
+            if (isinstance(self.ps_max_staleness, bool) or not isinstance(self.ps_max_staleness, int)
+                    or self.ps_max_staleness < 0):
+                raise ValueError(
+                    f"Strategy.ps_max_staleness must be None or an integer >= 0, got {self.ps_max_staleness!r}"
+                )
+            if self.backend != "ps" or self.ps_mode != "async":
+                raise ValueError(
+                    f"Strategy.ps_max_staleness applies to backend='ps' with ps_mode='async' only, got "
+                    f"backend={self.backend!r}, ps_mode={self.ps_mode!r}; set both or leave "
+                    "ps_max_staleness at None"
+                )
 
     @property
     def parameter_server(self) -> bool:

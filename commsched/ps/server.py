@@ -13,7 +13,9 @@ updates and sends the new values:
 * ``async``: apply each worker's gradient (divided by the number of workers)
   as it arrives, and send the newest values back to that worker. Staleness (how
   many other updates of the block landed between a worker's pull and its next
-  push) is counted and reported.
+  push) is counted and reported. With ``Strategy.ps_max_staleness`` = K, a
+  worker more than K iterations (by the headers received) ahead of the slowest
+  worker still training gets its values only once that worker catches up.
 
 [Note: finished or lost] A worker normally ends with a FINISH message. One
 whose connection closes mid-iteration (between its header and its last push)
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import statistics
 import threading
@@ -71,6 +74,9 @@ class ServerReport:
     updates: int = 0
     iterations: int = 0
     staleness: list[int] = field(default_factory=list)
+    max_lead: int = 0
+    """Async: the most iterations a worker was ahead of the slowest one still
+    training when it was sent new values."""
 
     @property
     def staleness_mean(self) -> float:
@@ -84,7 +90,8 @@ class ServerReport:
         text = (f"parameter server rank {self.rank}: {self.blocks} blocks ({self.bytes / 1e6:.2f} MB), "
                 f"{self.iterations} iterations, {self.updates} block updates")
         if self.staleness:
-            text += f", staleness mean {self.staleness_mean:.2f} max {self.staleness_max} updates"
+            text += (f", staleness mean {self.staleness_mean:.2f} max {self.staleness_max} updates, "
+                     f"workers at most {self.max_lead} iterations apart")
         return text
 
 
@@ -113,6 +120,7 @@ class ParameterServer:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._timeout = datetime.timedelta(seconds=strategy.timeout_s)
+        self._max_lead = math.inf if strategy.ps_max_staleness is None else strategy.ps_max_staleness
 
     # ------------------------------------------------------------------ setup
     def _build(self, forward_order: list[int]) -> None:
@@ -155,6 +163,9 @@ class ParameterServer:
         self._pulled_version = {pid: [0] * self.num_workers for pid in self.mine}
         self._hyperparameters: list[list[dict] | None] = [None] * self.num_workers
         self._header_iteration = [-1] * self.num_workers
+        self._finished: dict[int, int] = {}
+        self._held: dict[int, list[int]] = {w: [] for w in range(self.num_workers)}
+        """Async with a staleness bound: per worker, blocks whose new values wait for slower workers."""
 
     def _make_server_optimizer(self) -> torch.optim.Optimizer:
         """The user's optimizer class over this server's segments, group by group."""
@@ -183,7 +194,7 @@ class ParameterServer:
                    for w, worker in enumerate(self.roles.workers)]
         for thread in threads:
             thread.start()
-        finished: dict[int, int] = {}
+        finished = self._finished
         self._how_finished: dict[int, str] = {}
         while len(finished) < self.num_workers:
             event = self._events.get()
@@ -252,6 +263,7 @@ class ParameterServer:
         self._header_iteration[w] = iteration
         self.report.iterations = max(self.report.iterations, iteration + 1)
         self._check_even(finished)
+        self._release_held()
 
     def _check_even(self, finished: dict[int, int]) -> None:
         """In sync mode, no worker may begin an iteration that a finished worker will never push."""
@@ -282,6 +294,7 @@ class ParameterServer:
         if self.strategy.ps_mode == "sync" and any(self._arrived.values()):
             self._fail_uneven(w, finished[w], "other workers' gradients of the next iteration had arrived")
         self._check_even(finished)
+        self._release_held()
 
     def _on_gone(self, w: int, error: BaseException, finished: dict[int, int]) -> None:
         """Its connection closed between iterations; see [Note: finished or lost]."""
@@ -358,10 +371,32 @@ class ParameterServer:
         self.report.staleness.append(self._version[pid] - self._pulled_version[pid][w])
         with self._lock:
             self.updater.update(self._local[pid], self._hyperparameters[w], skip)
-            values = self.values[pid].clone()
         self._version[pid] += 1
         self.report.updates += 1
+        if self._lead(w) > self._max_lead:
+            self._held[w].append(pid)
+        else:
+            self._send_newest(pid, w)
+
+    def _lead(self, w: int) -> int:
+        """Iterations worker ``w`` is ahead of the slowest worker still training."""
+        others = [self._header_iteration[v] for v in range(self.num_workers) if v != w and v not in self._finished]
+        return max(0, self._header_iteration[w] - min(others)) if others else 0
+
+    def _release_held(self) -> None:
+        """Send the values held back from workers that are no longer too far ahead."""
+        for w, pids in self._held.items():
+            if pids and self._lead(w) <= self._max_lead:
+                self._held[w] = []
+                for pid in pids:
+                    self._send_newest(pid, w)
+
+    def _send_newest(self, pid: int, w: int) -> None:
+        """Async: send worker ``w`` block ``pid``'s current values (its pull)."""
+        with self._lock:
+            values = self.values[pid].clone()
         self._pulled_version[pid][w] = self._version[pid]
+        self.report.max_lead = max(self.report.max_lead, self._lead(w))
         worker = self.roles.workers[w]
         kept = []
         for work, tensor, destination in self._pull_sends[pid]:

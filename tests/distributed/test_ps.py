@@ -10,11 +10,13 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
 from commsched.api import ServingFinished
@@ -271,6 +273,46 @@ def case_async_training_converges(rank, world_size, servers):
         finish(model)
 
 
+def case_async_staleness_is_bounded(rank, world_size, servers):
+    """A slow worker holds the others within ps_max_staleness iterations; unbounded they run ahead.
+
+    Workers publish their progress in the job's store, apart from the servers'
+    protocol: a fast worker, once its forward pass has its new values, reads
+    how far the slow worker (rank 0) has come.
+    """
+    store = _get_default_store()
+    for bound in (None, 1):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        if prepare_or_serve(model, optimizer, servers, ps_mode="async", ps_max_staleness=bound) is None:
+            report = SERVER_REPORTS[-1]
+            assert report.blocks == 0 or (report.max_lead > 3 if bound is None else report.max_lead <= bound)
+            continue
+        gaps = []
+        try:
+            for iteration in range(30):
+                if rank == 0:
+                    time.sleep(0.03)  # the slow worker's longer compute
+                loss = F.mse_loss(model(torch.randn(8, 16)), torch.zeros(8, 1))  # waits for its pulls
+                if rank != 0:
+                    key = f"staleness/{bound}/0"
+                    gaps.append(iteration - (int(store.get(key)) if store.check([key]) else -1))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if rank == 0:
+                    store.set(f"staleness/{bound}/0", str(iteration))
+        finally:
+            finish(model)
+        if rank != 0 and bound is not None:
+            # Values for iteration i need the slow worker's header of i - 1 - bound,
+            # sent after its step of i - 2 - bound.
+            assert max(gaps) <= bound + 2, gaps
+        elif rank != 0:
+            assert max(gaps) > 5, gaps  # the scenario does let fast workers run ahead
+
+
 def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
     """The trace holds the sharding plan and one push-to-pull span per block per iteration."""
     import json
@@ -308,6 +350,7 @@ def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
             ("buffers_stay_on_workers", case_buffers_stay_on_workers),
             ("misuse_gives_clear_errors", case_misuse_gives_clear_errors),
             ("async_training_converges", case_async_training_converges),
+            ("async_staleness_is_bounded", case_async_staleness_is_bounded),
             ("trace_shows_layout_and_round_trips", case_trace_shows_layout_and_round_trips),
         ):
             cases[name] = functools.partial(case, rank, world_size, servers)

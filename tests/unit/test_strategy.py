@@ -75,6 +75,16 @@ def test_parameter_server_fields_are_validated():
         Strategy(ps_mode="async")
 
 
+def test_staleness_bound_is_validated():
+    assert Strategy(backend="ps", ps_mode="async", ps_max_staleness=0).ps_max_staleness == 0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"Strategy.ps_max_staleness must be None or an integer >= 0"):
+            Strategy(backend="ps", ps_mode="async", ps_max_staleness=bad)
+    for sync in ({"backend": "ps"}, {}):
+        with pytest.raises(ValueError, match=r"ps_max_staleness applies to backend='ps' with ps_mode='async'"):
+            Strategy(ps_max_staleness=2, **sync)
+
+
 def test_server_ranks_are_the_last_ones():
     from commsched.ps import is_server_rank, server_ranks
 
