@@ -67,6 +67,14 @@ def reference_backward(model, x, y, iteration, world_size):
     loss.backward()
 
 
+def local_step(model, optimizer, x, y, iteration, rank, set_to_none=True):
+    """One distributed training step on this rank's slice of the batch."""
+    mine = rank_slice(rank)
+    F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+
+
 def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
     """One step of single-process training on the concatenated batch."""
     reference_backward(model, x, y, iteration, world_size)
@@ -103,10 +111,7 @@ def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_
     model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
     model, optimizer = commsched.prepare(model, optimizer, strategy)
     for iteration, (x, y) in enumerate(batches(world_size)):
-        mine = rank_slice(rank)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
+        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
         reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
     assert_same_parameters(model, reference)
     assert_equal_on_all_ranks(model)

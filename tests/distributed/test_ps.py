@@ -23,7 +23,7 @@ from commsched.api import ServingFinished
 from commsched.testing import run_subtests
 from commsched.testing.models import BatchNormNet
 from tests.distributed.test_allreduce_parity import (
-    OPTIMIZERS, batches, fresh_pair, rank_slice, reference_backward, reference_step, uses_aux,
+    OPTIMIZERS, batches, fresh_pair, local_step, rank_slice, reference_backward, reference_step, uses_aux,
 )
 
 pytestmark = pytest.mark.distributed
@@ -69,10 +69,7 @@ def case_matches_single_process(rank, world_size, servers, optimizer_name, strat
         return
     try:
         for iteration, (x, y) in enumerate(batches(workers, iterations=8)):
-            mine = rank_slice(rank)
-            F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
+            local_step(model, optimizer, x, y, iteration, rank, set_to_none)
             reference_step(reference, reference_optimizer, x, y, iteration, workers, set_to_none)
         assert_close_parameters(model, reference)
         assert model.never_used.weight.grad is None
@@ -138,9 +135,7 @@ def case_no_sync_accumulation(rank, world_size, servers, micro_steps=3):
 
 def _train(model, optimizer, rank, workers, data):
     for iteration, (x, y) in data:
-        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        local_step(model, optimizer, x, y, iteration, rank)
 
 
 def case_checkpoint_resumes_exactly(rank, world_size, servers):
