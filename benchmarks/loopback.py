@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/loopback.py --repeats 3 --json results/loopback.json
 
 For each model, both systems train side by side in interleaved rounds (see
-commsched.compare); every repeat is a fresh group of processes. Reported: the
+commsched.bench.compare); every repeat is a fresh group of processes. Reported: the
 median iteration time of each system, and the ratio commsched/DDP per repeat
 and its median (below 1.0 means commsched is faster).
 """
@@ -20,9 +20,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched.compare import COMMSCHED, DDP, ComparisonConfig
-from commsched.launch import run_ranks
-from commsched.compare import compare_on_rank
+from commsched.bench.compare import ComparisonConfig, compare_on_rank
+from commsched.bench.systems import Commsched, TorchDDP
+from commsched.strategy import Strategy
+from commsched.testing import run_ranks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +44,15 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column, justify="left" if column == "model" else "right")
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     for model in args.models:
+        ddp_system, ours_system = TorchDDP(), Commsched(Strategy())
         config = ComparisonConfig(
             workload=model, batch_size=args.batch_size, iterations=args.iterations,
-            rounds=args.rounds, warmup=3, show_progress=False,
+            rounds=args.rounds, warmup=3, systems=(ddp_system, ours_system), show_progress=False,
         )
         ratios, ddp_medians, ours_medians = [], [], []
         for repeat in range(args.repeats):
             results = run_ranks(compare_on_rank, args.world_size, config, timeout_s=1800)[0]
-            ddp, ours = results[DDP], results[COMMSCHED]
+            ddp, ours = results[ddp_system.name], results[ours_system.name]
             ddp_medians.append(ddp.median_s)
             ours_medians.append(ours.median_s)
             ratios.append(ours.median_s / ddp.median_s)

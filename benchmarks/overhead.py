@@ -17,9 +17,10 @@ import argparse
 import statistics
 import sys
 
-from commsched.compare import UNSCHEDULED, ComparisonConfig, compare_on_rank
-from commsched.launch import run_ranks
+from commsched.bench.compare import ComparisonConfig, compare_on_rank
+from commsched.bench.systems import UNSCHEDULED, Commsched
 from commsched.strategy import Strategy
+from commsched.testing import run_ranks
 
 PARTITION_SIZES_MB = (None, 4.0, 1.0, 0.25, 0.0625)
 
@@ -29,7 +30,7 @@ def count_partitions(rank: int, world_size: int, workload: str, partition_mb: fl
     import torch.nn.functional as F
 
     import commsched
-    from commsched.models import WORKLOADS
+    from commsched.bench.models import WORKLOADS
 
     spec = WORKLOADS[workload]
     model = spec.build()
@@ -37,7 +38,7 @@ def count_partitions(rank: int, world_size: int, workload: str, partition_mb: fl
                                          Strategy(partition_mb=partition_mb))
     x, y = next(spec.batches(2))
     F.cross_entropy(model(x), y).backward()
-    return len(model._commsched_reducer.partitions)
+    return commsched.status(model).partitions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,23 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
 
-    systems = [("unscheduled", UNSCHEDULED)]
-    systems += [(f"partition_mb={p}", Strategy(partition_mb=p)) for p in PARTITION_SIZES_MB]
-    partitions = {f"partition_mb={p}": run_ranks(count_partitions, 1, args.workload, p)[0] for p in PARTITION_SIZES_MB}
+    unscheduled = Commsched(UNSCHEDULED, "unscheduled")
+    partitioned = {p: Commsched(Strategy(partition_mb=p), f"partition_mb={p}") for p in PARTITION_SIZES_MB}
+    partitions = {system.name: run_ranks(count_partitions, 1, args.workload, p)[0] for p, system in partitioned.items()}
     for world_size in args.world_sizes:
         config = ComparisonConfig(workload=args.workload, batch_size=args.batch_size, iterations=args.iterations,
-                                  rounds=args.rounds, warmup=6, systems=tuple(systems), show_progress=False)
+                                  rounds=args.rounds, warmup=6, systems=(unscheduled, *partitioned.values()),
+                                  show_progress=False)
         results = run_ranks(compare_on_rank, world_size, config, timeout_s=1800)[0]
-        base = results["unscheduled"].median_s
+        base = results[unscheduled.name].median_s
         print(f"\n{args.workload}, batch {args.batch_size}, {world_size} rank(s) on loopback, "
               f"{args.rounds} rounds x {args.iterations} iterations")
-        print(f"{'system':22} {'median ms':>10} {'minus unscheduled ms':>21} {'partitions':>11} {'us/partition':>13}")
+        print(f"{'system':32} {'median ms':>10} {'minus unscheduled ms':>21} {'partitions':>11} {'us/partition':>13}")
         for name, result in results.items():
             delta = (result.median_s - base) * 1e3
             count = partitions.get(name)
             per = f"{delta * 1e3 / count:13.1f}" if count else f"{'':>13}"
-            print(f"{name:22} {result.median_s * 1e3:10.2f} {delta:21.2f} {count or '':>11} {per}")
-        spread = statistics.quantiles(results["unscheduled"].iteration_times_s, n=10)
+            print(f"{name:32} {result.median_s * 1e3:10.2f} {delta:21.2f} {count or '':>11} {per}")
+        spread = statistics.quantiles(results[unscheduled.name].iteration_times_s, n=10)
         print(f"(unscheduled p10-p90: {spread[0] * 1e3:.1f}-{spread[-1] * 1e3:.1f} ms: differences inside it are noise)")
     return 0
 

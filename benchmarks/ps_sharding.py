@@ -16,11 +16,11 @@ import argparse
 
 import torch
 
+from commsched.bench.models import WORKLOADS
 from commsched.buckets import bucket_layout
-from commsched.models import WORKLOADS
 from commsched.order import ForwardRecorder
 from commsched.sharding import plan_model_sharding
-from commsched.strategy import Strategy
+from commsched.strategy import ParameterServer, Strategy
 
 MODELS = ("vgg-like", "resnet-like", "transformer-like")
 
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--partition-mb", type=float, default=Strategy().partition_mb)
     args = parser.parse_args()
-    strategy = Strategy(backend="ps", partition_mb=args.partition_mb)
+    strategy = Strategy(backend=ParameterServer(), partition_mb=args.partition_mb)
     print("| model | MB | servers | blocks | params spanning servers | most loaded / mean |")
     print("|---|---|---|---|---|---|")
     for name in MODELS:

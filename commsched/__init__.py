@@ -8,32 +8,54 @@ block
 bucket
     parameters whose gradients live contiguously in one flat buffer (one dtype
     and device); each ``param.grad`` is a view into it.
+credit
+    the most bytes in flight during the backward pass; a partition is issued
+    only if it fits.
+gate
+    a forward pre-hook on a module that waits for its own buckets' updates
+    (forward overlap).
 handle
-    an operation in flight (a bucket's reduction); ``wait()`` it before reading.
+    an operation in flight (a partition's reduction); ``wait()`` it before reading.
+partition
+    a contiguous slice of a bucket: the unit on the wire and of scheduling.
+plan
+    the sequence in which partitions are issued; the same on every rank.
 reducer
-    the per-model object that turns "gradient ready" into "gradient averaged
-    over all ranks", launching buckets in one order on every rank.
+    the per-model object that turns "gradient ready" into "parameter updated",
+    issuing partitions in one order on every rank.
 server
-    with ``Strategy(backend="ps")``, one of the last ``num_servers`` ranks: it
-    holds blocks, runs the optimizer on them and sends the new values back.
+    with ``Strategy(backend=ParameterServer(...))``, one of the last
+    ``num_servers`` ranks: it holds blocks, runs the optimizer on them and
+    sends the new values back.
 strategy
     the single, validated object holding every knob (`Strategy`).
+transport / update policy
+    the two parts of a backend: what goes on the wire for a partition, and
+    where the optimizer runs.
 """
 
-from commsched.api import prepare, release
-from commsched.backends.base import CommunicationTimeout
+from commsched.api import ServingFinished, prepare, release, status
 from commsched.buckets import compute_bucket_assignment_by_size
+from commsched.errors import CommunicationTimeout
+from commsched.lifecycle import Lifecycle
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
-from commsched.strategy import Strategy
+from commsched.status import Status
+from commsched.strategy import AllReduce, ParameterServer, Strategy
 
 __all__ = [
+    "AllReduce",
     "CommschedModule",
     "CommschedOptimizer",
     "CommunicationTimeout",
+    "Lifecycle",
+    "ParameterServer",
+    "ServingFinished",
+    "Status",
     "Strategy",
     "compute_bucket_assignment_by_size",
     "prepare",
     "release",
+    "status",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,10 @@
-"""`prepare()`: validate, make the ranks agree, attach the reducer."""
+"""`prepare()`, `release()` and `status()`: validate, make the ranks agree, build one of each part.
+
+`prepare` picks the backend's two parts, a `Transport` (what goes on the wire)
+and an `UpdatePolicy` (where the optimizer runs), hands them to a
+`GradientReducer`, and mixes commsched's behaviour into the model's and the
+optimizer's classes. This is the only place that knows which backend is which.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,17 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from commsched.backends.allreduce import AllReduceBackend
-from commsched.backends.ps import ParameterServerBackend
 from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
-from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.job import join_parameter_server_job
 from commsched.ps.server import ParameterServer, ServerReport
 from commsched.reducer import GradientReducer
+from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
-from commsched.updates import optimizer_kind
+from commsched.transport.allreduce import AllReduceTransport
+from commsched.update.kinds import USER_CLASS_ATTRIBUTE, optimizer_kind
+from commsched.update.local import LocalUpdate
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -50,12 +57,14 @@ def prepare(
         )
     group = _agree(model, optimizer, strategy, process_group)
     if strategy.parameter_server:
-        reducer = join_parameter_server_job(model, optimizer, strategy)
-        if isinstance(reducer, ParameterServer):
-            raise ServingFinished(reducer.serve())
+        side = join_parameter_server_job(model, optimizer, strategy)
+        if isinstance(side, ParameterServer):
+            raise ServingFinished(side.serve())
+        reducer = GradientReducer(model, strategy, side.transport, side.policy, side.worker_group, side.buffer_group)
     else:
+        transport = AllReduceTransport(group, strategy.partition_bytes)
         reducer = GradientReducer(
-            model, optimizer, strategy, AllReduceBackend(group), group, _buffer_group(strategy, group)
+            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _buffer_group(strategy, group)
         )
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
@@ -81,58 +90,29 @@ class ServingFinished(SystemExit):
 def _check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup) -> None:
     if group is not dist.group.WORLD:
         raise ValueError(
-            "Strategy(backend='ps') runs on the default process group (its last num_servers ranks "
-            "serve); call prepare() without process_group"
+            "Strategy(backend=ParameterServer(...)) runs on the default process group (its last "
+            "num_servers ranks serve); call prepare() without process_group"
         )
     if optimizer is None:
         raise ValueError(
-            "Strategy(backend='ps') needs the optimizer: the parameter servers run it. Pass the "
-            "optimizer to prepare()"
+            "Strategy(backend=ParameterServer(...)) needs the optimizer: the parameter servers run it. "
+            "Pass the optimizer to prepare()"
         )
     devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
     if devices - {"cpu"}:
         raise ValueError(
-            f"Strategy(backend='ps') moves CPU tensors over gloo, but the model has parameters on "
-            f"{', '.join(sorted(devices - {'cpu'}))}; use Strategy(backend='allreduce') for GPU models"
+            f"Strategy(backend=ParameterServer(...)) moves CPU tensors over gloo, but the model has "
+            f"parameters on {', '.join(sorted(devices - {'cpu'}))}; use the all-reduce backend "
+            "(Strategy(backend=AllReduce()), the default) for GPU models"
         )
     try:
         optimizer_kind(optimizer)
     except ValueError as error:
         raise ValueError(
-            f"Strategy(backend='ps') runs the optimizer on the servers, which supports torch.optim.SGD, "
-            f"Adam and AdamW only: {error}. Use Strategy(backend='allreduce') for other optimizers"
+            f"Strategy(backend=ParameterServer(...)) runs the optimizer on the servers, which supports "
+            f"torch.optim.SGD, Adam and AdamW only: {error}. Use the all-reduce backend "
+            "(Strategy(backend=AllReduce()), the default) for other optimizers"
         ) from None
-
-
-def join_parameter_server_job(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy
-) -> GradientReducer | ParameterServer:
-    """Split the world into workers and servers: a worker's reducer, or this rank's server.
-
-    Collective over the default group (every rank, servers included, creates
-    every group). `prepare` serves on a server rank; code that runs several
-    parameter-server jobs at once (the benchmark) calls this and runs each
-    `ParameterServer.serve` on a thread of its own.
-    """
-    global _PS_JOBS
-    roles = PSRoles.of_world(strategy.num_servers)
-    worker_group = dist.new_group(roles.workers)
-    buffer_group = None
-    if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
-        buffer_group = dist.new_group(roles.workers)
-    transport = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-    _PS_JOBS += 1
-    board = FailureBoard(f"commsched/ps/{_PS_JOBS}")
-    if roles.is_server:
-        return ParameterServer(model, optimizer, strategy, roles, transport, board)
-    params = [p for _, p in model.named_parameters() if p.requires_grad]
-    backend = ParameterServerBackend(strategy, roles, transport, optimizer, params, board)
-    reducer = GradientReducer(model, optimizer, strategy, backend, worker_group, buffer_group)
-    return reducer
-
-
-_PS_JOBS = 0
-"""Parameter-server jobs started by this process (every rank counts the same)."""
 
 
 def _agree(
@@ -161,7 +141,7 @@ def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, str
     `ParameterServer.serve` on a thread of its own); ``prepare`` is simpler.
     """
     if not strategy.parameter_server:
-        raise ValueError("prepare_server() needs Strategy(backend='ps')")
+        raise ValueError("prepare_server() needs Strategy(backend=ParameterServer(...))")
     _agree(model, optimizer, strategy, None)
     server = join_parameter_server_job(model, optimizer, strategy)
     if not isinstance(server, ParameterServer):
@@ -172,13 +152,23 @@ def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, str
 def release(model: torch.nn.Module) -> None:
     """Stop distributed training of a prepared model: wait for what is in flight, remove hooks.
 
-    With parameter servers this also tells them this worker is done (otherwise
-    that happens when the process exits). The model and optimizer then train
-    as plain local objects.
+    With parameter servers this also tells them this worker is done. The model
+    and optimizer then train as plain local objects. A model never released
+    gets the same at exit (without waiting for reductions still in flight),
+    which lets go of commsched's process groups while every thread can run.
     """
+    _reducer_of(model, "release").close()
+
+
+def status(model: torch.nn.Module) -> Status:
+    """What commsched decided for ``model``: layout, lifecycle, forward overlap and why, figures."""
+    return reducer_status(_reducer_of(model, "status"))
+
+
+def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
     if not isinstance(model, CommschedModule):
-        raise ValueError("release() takes a model returned by commsched.prepare()")
-    model._commsched_reducer.close()
+        raise ValueError(f"{caller}() takes a model returned by commsched.prepare(), got {type(model).__name__}")
+    return model._commsched_reducer
 
 
 def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
@@ -242,6 +232,7 @@ def _mix_in(obj: object, mixin: type) -> None:
     cls = type(obj)
     mixed = _MIXED_CLASSES.get((mixin, cls))
     if mixed is None:
-        mixed = type(f"Commsched{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        mixed = type(f"Commsched{cls.__name__}", (mixin, cls),
+                     {"__module__": cls.__module__, USER_CLASS_ATTRIBUTE: cls})
         _MIXED_CLASSES[(mixin, cls)] = mixed
     obj.__class__ = mixed

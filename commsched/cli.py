@@ -4,40 +4,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from dataclasses import replace
-
 from commsched import __version__
-from commsched.compare import UNSCHEDULED
-from commsched.strategy import Strategy
+from commsched.strategy import ParameterServer, Strategy
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from commsched.compare import COMMSCHED, DDP, ComparisonConfig
-    from commsched.demo import render_report, run_demo
+    from commsched.bench.compare import ComparisonConfig
+    from commsched.bench.demo import render_report, run_demo
+    from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP
 
+    unscheduled = replace(UNSCHEDULED, bucket_cap_mb=args.strategy.bucket_cap_mb)
+    systems = [TorchDDP(), Commsched(unscheduled, "scheduling off"), Commsched(args.strategy)]
+    if args.ps_servers:
+        systems.append(Commsched(replace(args.strategy, backend=ParameterServer(num_servers=args.ps_servers))))
     config = ComparisonConfig(
         workload=args.workload,
         batch_size=args.batch_size,
         iterations=args.iterations,
         rounds=args.rounds,
         warmup=args.warmup,
-        systems=((DDP, None), (f"{COMMSCHED}, scheduling off", args.unscheduled), (COMMSCHED, args.strategy)),
+        systems=tuple(systems),
+        num_servers=args.ps_servers,
         show_progress=not args.no_progress,
     )
-    if args.ps_servers:
-        servers = args.ps_servers
-        ps = replace(args.strategy, backend="ps", num_servers=servers)
-        name = f"{COMMSCHED} PS, {servers} server{'s' if servers > 1 else ''}"
-        config = replace(config, systems=(*config.systems, (name, ps)), num_servers=servers)
     results = run_demo(config, world_size=args.world_size + args.ps_servers)
     agree = render_report(results, config, args.world_size)
     return 0 if agree else 1
 
 
 def _trace_report(args: argparse.Namespace) -> int:
-    from commsched.trace_report import report
+    from commsched.bench.trace_report import report
 
     png = args.png if args.png is not None else args.directory / "gantt.png"
     try:
@@ -49,7 +48,8 @@ def _trace_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from commsched.models import WORKLOADS
+    from commsched.bench import grid
+    from commsched.bench.models import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="commsched", description=__doc__)
     parser.add_argument("--version", action="version", version=f"commsched {__version__}")
@@ -78,14 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--png", type=Path, help="where to draw it (default: DIRECTORY/gantt.png)")
     trace.set_defaults(action=_trace_report)
 
-    from commsched import bench as bench_module
-
     bench = commands.add_parser(
         "bench", help="commsched vs torch DDP vs the bound on emulated hosts (needs root)",
-        description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=grid.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench_module.build_parser(bench)
-    bench.set_defaults(action=bench_module.run_from_args)
+    grid.build_parser(bench)
+    bench.set_defaults(action=grid.run_from_args)
     return parser
 
 
@@ -101,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "bucket_cap_mb"):
         try:
             args.strategy = Strategy(bucket_cap_mb=args.bucket_cap_mb)
-            args.unscheduled = replace(UNSCHEDULED, bucket_cap_mb=args.bucket_cap_mb)
         except ValueError as error:
             parser.error(str(error))
     return args.action(args)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.backends.base import wait_or_raise
+from commsched.errors import wait_or_raise
 
 
 def describe_tensor(kind: str, name: str, tensor: torch.Tensor) -> str:

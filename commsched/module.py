@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from commsched.reducer import GradientReducer
+if TYPE_CHECKING:
+    from commsched.reducer import GradientReducer
 
 
 class CommschedModule:
@@ -38,9 +39,3 @@ class CommschedModule:
         result = super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
         self._commsched_reducer.after_module_load()
         return result
-
-    @property
-    def commsched_buckets(self):
-        """The gradient buckets, in launch order (for inspection and logs)."""
-        return list(self._commsched_reducer.buckets)
-

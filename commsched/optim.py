@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from commsched.reducer import GradientReducer
+if TYPE_CHECKING:
+    from commsched.reducer import GradientReducer
 
 
 class CommschedOptimizer:

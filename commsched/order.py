@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from commsched.backends.base import wait_or_raise
+from commsched.errors import wait_or_raise
 
 
 class _ParameterUseMode(TorchFunctionMode):

@@ -14,47 +14,60 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.backends.base import wait_or_raise
+from commsched.errors import wait_or_raise
+from commsched.events import Observer
+from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.scheduler import LinkModel, Partition, robust_plan, simulate_schedule
+from commsched.transport.base import Handle
 
 LINK_SAFETY_FACTOR = 0.8
 """Plan for a link this much slower than measured: a partition planned too late costs
 a little idle link time, one planned too early delays the next forward pass."""
 
 
-class ReadyTimeProfile:
-    """One rank's timeline of the backward passes run without overlap.
+class ReadyTimeProfile(Observer):
+    """One rank's timeline of the warm-up backward passes (run without overlap).
 
-    Per iteration: when each bucket became ready (relative to the first
-    gradient), and how long the link took from the first partition issued to
-    the last one completed. The latter, under the real load of training
-    (computation competing with communication for the same cores), is a
-    better, and more cautious, estimate of the link than an idle calibration.
+    An observer of the core's events, recording iterations 1 to
+    ``WARMUP_ITERATIONS - 1`` (the first is slow): when each bucket became ready
+    (relative to the start of the backward pass), and how long the link took
+    from the first partition issued to the last one completed. The latter,
+    under the real load of training (computation competing with communication
+    for the same cores), is a better, and more cautious, estimate of the link
+    than an idle calibration.
     """
 
     def __init__(self, num_buckets: int):
         self._num_buckets = num_buckets
         self._ready: list[list[float]] = []
         self._transfers: list[tuple[int, float]] = []
+        self._recording = False
         self._current: list[float] = []
         self._start = self._first_launch = 0.0
         self._bytes = 0
 
-    def begin(self) -> None:
-        self._start = time.perf_counter()
-        self._current = [0.0] * self._num_buckets
-        self._first_launch, self._bytes = 0.0, 0
+    def iteration_started(self, iteration: int) -> None:
+        self._recording = 0 < iteration < WARMUP_ITERATIONS
+        if self._recording:
+            self._start = time.perf_counter()
+            self._current = [0.0] * self._num_buckets
+            self._first_launch, self._bytes = 0.0, 0
 
     def bucket_ready(self, bucket: int) -> None:
-        self._current[bucket] = time.perf_counter() - self._start
+        if self._recording:
+            self._current[bucket] = time.perf_counter() - self._start
 
-    def launched(self, nbytes: int) -> None:
-        if not self._bytes:
-            self._first_launch = time.perf_counter()
-        self._bytes += nbytes
+    def partition_issued(self, partition: Partition, handle: Handle) -> None:
+        if self._recording:
+            if not self._bytes:
+                self._first_launch = time.perf_counter()
+            self._bytes += partition.nbytes
 
-    def end(self) -> None:
-        """Called once every reduction of the iteration has completed."""
+    def backward_finished(self) -> None:
+        """During warm-up, every reduction of the iteration has completed by now."""
+        if not self._recording:
+            return
+        self._recording = False
         self._ready.append(self._current)
         if self._bytes:
             self._transfers.append((self._bytes, time.perf_counter() - self._first_launch))

@@ -164,31 +164,41 @@ def robust_plan(partitions: Sequence[Partition], schedule: SimulatedSchedule, la
     return early + [p.pid for p in late]
 
 
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The agreed issue order of every partition, and the credit window it runs under."""
+
+    partitions: tuple[Partition, ...]
+    order: tuple[int, ...]
+    """Partition ids in issue order: every rank issues exactly this sequence."""
+    credit_bytes: int | None
+    agreed: bool = False
+    """False: torch DDP's order (`fifo_plan`); True: rank 0's plan, agreed by every rank."""
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != list(range(len(self.partitions))):
+            raise ValueError("a plan must name every partition exactly once")
+
+    @property
+    def num_buckets(self) -> int:
+        return 1 + max((p.bucket for p in self.partitions), default=-1)
+
+
 class PlanExecutor:
-    """Issues partitions in plan order, each once ready locally and within credit.
+    """Issues one backward pass's partitions in plan order, each once ready locally and within credit.
 
     Driven by events (a bucket became ready; the backward pass ended); completed
     partitions are retired from the front of the in-flight queue when an event
-    arrives, never by spinning.
+    arrives, never by spinning. One executor per backward pass: it is never reset.
     """
 
-    def __init__(self, partitions: Sequence[Partition], plan: Sequence[int], credit_bytes: int | None):
-        if sorted(plan) != list(range(len(partitions))):
-            raise ValueError("a plan must name every partition exactly once")
-        self.partitions = list(partitions)
-        self.plan = list(plan)
-        self.credit_bytes = credit_bytes
-        self._bucket_ready: list[bool] = []
+    def __init__(self, plan: Plan):
+        self.partitions = plan.partitions
+        self.plan = plan.order
+        self.credit_bytes = plan.credit_bytes
+        self._bucket_ready = [False] * plan.num_buckets
         self._next = 0
         self._in_flight: deque[tuple[int, object]] = deque()
-        self._in_flight_bytes = 0
-        self.reset(num_buckets=1 + max((p.bucket for p in self.partitions), default=-1))
-
-    def reset(self, num_buckets: int | None = None) -> None:
-        """Start a new iteration: nothing ready, nothing issued."""
-        self._bucket_ready = [False] * (num_buckets if num_buckets is not None else len(self._bucket_ready))
-        self._next = 0
-        self._in_flight.clear()
         self._in_flight_bytes = 0
 
     @property

@@ -1,12 +1,52 @@
-"""`Strategy`: every knob of commsched in one validated object."""
+"""`Strategy`: every knob of commsched in one validated object, and its backend configs."""
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, fields
 
 MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AllReduce:
+    """Every rank trains; gradients are averaged over the process group with all-reduce."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterServer:
+    """The last ``num_servers`` ranks of the world serve; the others train.
+
+    Workers push gradient blocks to the servers, which run the optimizer and
+    send the new values back (see docs/parameter_server.md).
+    """
+
+    num_servers: int = 1
+    """How many ranks serve (the last ones of the world)."""
+
+    mode: str = "sync"
+    """``"sync"`` waits for every worker's gradient of a block, averages and updates
+    once (the same parameters as single-process training); ``"async"`` applies
+    each worker's gradient (divided by the number of workers) as it arrives, and
+    workers pull whatever is newest."""
+
+    max_staleness: int | None = None
+    """With ``mode="async"``: how many iterations a worker may run ahead of the
+    slowest worker still training. A worker further ahead gets its new values
+    only when the others catch up, so its next forward pass waits (stale
+    synchronous parallel). None: unbounded, the staleness is only reported."""
+
+    def __post_init__(self) -> None:
+        _check_servers("ParameterServer.num_servers", self.num_servers)
+        _check_choice("ParameterServer.mode", self.mode, ("sync", "async"))
+        _check_staleness("ParameterServer.max_staleness", self.max_staleness)
+        if self.max_staleness is not None and self.mode != "async":
+            raise ValueError(
+                f"ParameterServer.max_staleness applies to mode='async' only, got mode={self.mode!r}; "
+                "set mode='async' or leave max_staleness at None"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,26 +112,23 @@ class Strategy:
     stopped participating gives a ``CommunicationTimeout`` naming what was
     waited for instead of a hang."""
 
-    backend: str = "allreduce"
-    """``"allreduce"``: every rank trains and gradients are averaged with
-    all-reduce. ``"ps"``: the last ``num_servers`` ranks of the world are
-    parameter servers; workers push gradient blocks to them, the servers apply
-    the optimizer and workers pull the new values (see docs/parameter_server.md)."""
+    backend: AllReduce | ParameterServer | str = AllReduce()
+    """What carries the gradients: ``AllReduce()`` (every rank trains, gradients
+    are averaged with all-reduce) or ``ParameterServer(num_servers=..., mode=...,
+    max_staleness=...)`` (the last ``num_servers`` ranks of the world serve;
+    workers push gradient blocks to them, the servers apply the optimizer and
+    workers pull the new values; see docs/parameter_server.md). The strings
+    ``"allreduce"`` and ``"ps"`` are the deprecated spelling."""
 
-    num_servers: int = 1
-    """With ``backend="ps"``: how many ranks serve (the last ones of the world)."""
+    num_servers: int | None = None
+    """Deprecated input, with ``backend="ps"``: ``ParameterServer(num_servers=...)``.
+    Always None once built; read ``backend.num_servers``."""
 
-    ps_mode: str = "sync"
-    """With ``backend="ps"``: ``"sync"`` waits for every worker's gradient of a
-    block, averages and updates once (the same parameters as single-process
-    training); ``"async"`` applies each worker's gradient (divided by the number
-    of workers) as it arrives, and workers pull whatever is newest."""
+    ps_mode: str | None = None
+    """Deprecated input, with ``backend="ps"``: ``ParameterServer(mode=...)``. Always None once built."""
 
     ps_max_staleness: int | None = None
-    """With ``ps_mode="async"``: how many iterations a worker may run ahead of the
-    slowest worker still training. A worker further ahead gets its new values
-    only when the others catch up, so its next forward pass waits (stale
-    synchronous parallel). None: unbounded, the staleness is only reported."""
+    """Deprecated input, with ``backend="ps"``: ``ParameterServer(max_staleness=...)``. Always None once built."""
 
     def __post_init__(self) -> None:
         _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
@@ -105,32 +142,50 @@ class Strategy:
             )
         for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
-        _check_choice("backend", self.backend, ("allreduce", "ps"))
-        _check_choice("ps_mode", self.ps_mode, ("sync", "async"))
-        if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < 1:
-            raise ValueError(f"Strategy.num_servers must be an integer >= 1, got {self.num_servers!r}")
-        if self.backend != "ps" and (self.num_servers != 1 or self.ps_mode != "sync"):
-            raise ValueError(
-                f"Strategy.num_servers and Strategy.ps_mode apply to backend='ps' only, got "
-                f"backend={self.backend!r} with num_servers={self.num_servers!r}, "
-                f"ps_mode={self.ps_mode!r}; set backend='ps' or leave them at their defaults"
+        self._normalize_backend()
+
+    def _normalize_backend(self) -> None:
+        """Turn the deprecated flat spelling into a backend config.
+
+        ``Strategy(backend="ps", num_servers=2, ps_mode="async")`` means
+        ``Strategy(backend=ParameterServer(num_servers=2, mode="async"))``. The flat
+        fields are input only: afterwards they are None and ``backend`` holds the
+        config, so `dataclasses.replace` works in every direction.
+        """
+        flat = {"num_servers": self.num_servers, "ps_mode": self.ps_mode, "ps_max_staleness": self.ps_max_staleness}
+        given = any(value is not None for value in flat.values())
+        if isinstance(self.backend, str) or (given and isinstance(self.backend, AllReduce)):
+            name = self.backend if isinstance(self.backend, str) else "allreduce"
+            backend = _backend_from_flat_fields(name, **flat)
+            warnings.warn(
+                "Strategy(backend='ps', num_servers=..., ps_mode=..., ps_max_staleness=...) is deprecated; "
+                "write Strategy(backend=commsched.ParameterServer(num_servers=..., mode=..., max_staleness=...)), "
+                "or leave backend at its default, commsched.AllReduce()",
+                DeprecationWarning, stacklevel=4,
             )
-        if self.ps_max_staleness is not None:
-            if (isinstance(self.ps_max_staleness, bool) or not isinstance(self.ps_max_staleness, int)
-                    or self.ps_max_staleness < 0):
+        elif isinstance(self.backend, ParameterServer):
+            if given:
                 raise ValueError(
-                    f"Strategy.ps_max_staleness must be None or an integer >= 0, got {self.ps_max_staleness!r}"
+                    f"Strategy got backend={self.backend!r} and the deprecated fields "
+                    + ", ".join(f"{name}={value!r}" for name, value in flat.items() if value is not None)
+                    + "; give them inside ParameterServer(...) only"
                 )
-            if self.backend != "ps" or self.ps_mode != "async":
-                raise ValueError(
-                    f"Strategy.ps_max_staleness applies to backend='ps' with ps_mode='async' only, got "
-                    f"backend={self.backend!r}, ps_mode={self.ps_mode!r}; set both or leave "
-                    "ps_max_staleness at None"
-                )
+            backend = self.backend
+        elif isinstance(self.backend, AllReduce):
+            backend = self.backend
+        else:
+            raise ValueError(
+                f"Strategy.backend must be commsched.AllReduce() or commsched.ParameterServer(...), got "
+                f"{self.backend!r} ({type(self.backend).__name__})"
+            )
+        object.__setattr__(self, "backend", backend)
+        for name in flat:
+            object.__setattr__(self, name, None)
 
     @property
     def parameter_server(self) -> bool:
-        return self.backend == "ps"
+        """True with ``backend=ParameterServer(...)``."""
+        return isinstance(self.backend, ParameterServer)
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
@@ -159,8 +214,49 @@ class Strategy:
         return None if self.credit_mb is None else max(1, int(self.credit_mb * MIB))
 
     def describe(self) -> str:
-        """One line with every field, for logs."""
-        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        """One line with every field, for logs (the deprecated inputs left out)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name not in _FLAT_FIELDS)
+
+
+_FLAT_FIELDS = ("num_servers", "ps_mode", "ps_max_staleness")
+
+
+def _backend_from_flat_fields(
+    backend: str, num_servers: int | None, ps_mode: str | None, ps_max_staleness: int | None
+) -> AllReduce | ParameterServer:
+    """The deprecated ``backend="allreduce"|"ps"`` spelling, validated under the names the caller used."""
+    _check_choice("Strategy.backend", backend, ("allreduce", "ps"))
+    if ps_mode is not None:
+        _check_choice("Strategy.ps_mode", ps_mode, ("sync", "async"))
+    if num_servers is not None:
+        _check_servers("Strategy.num_servers", num_servers)
+    if backend != "ps" and (num_servers not in (None, 1) or ps_mode not in (None, "sync")):
+        raise ValueError(
+            f"Strategy.num_servers and Strategy.ps_mode apply to backend='ps' only, got "
+            f"backend={backend!r} with num_servers={num_servers!r}, ps_mode={ps_mode!r}; set "
+            "backend='ps' or leave them at their defaults"
+        )
+    if ps_max_staleness is not None:
+        _check_staleness("Strategy.ps_max_staleness", ps_max_staleness)
+        if backend != "ps" or ps_mode != "async":
+            raise ValueError(
+                f"Strategy.ps_max_staleness applies to backend='ps' with ps_mode='async' only, got "
+                f"backend={backend!r}, ps_mode={ps_mode!r}; set both or leave ps_max_staleness at None"
+            )
+    if backend == "allreduce":
+        return AllReduce()
+    return ParameterServer(num_servers=1 if num_servers is None else num_servers,
+                           mode=ps_mode or "sync", max_staleness=ps_max_staleness)
+
+
+def _check_servers(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_staleness(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
 
 
 def _check_positive_finite(name: str, value: object, optional: bool = False) -> None:
@@ -176,7 +272,7 @@ def _check_positive_finite(name: str, value: object, optional: bool = False) -> 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"Strategy.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:

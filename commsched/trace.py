@@ -10,8 +10,8 @@ Rows (``tid``) of one rank's process:
   completion callback, so the time is when it really finished);
 - ``update``: per bucket, its optimizer update.
 
-Tracing is off unless ``Strategy(trace_dir=...)`` is set; off, the hot path
-pays one ``is None`` test per event.
+The tracer is an observer of the events the core emits (`commsched.events`);
+it is subscribed only when ``Strategy(trace_dir=...)`` is set.
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
+
+from commsched.completion import CallbackTracker
+from commsched.events import Observer
+from commsched.layout import GradLayout
+from commsched.scheduler import Partition
+from commsched.transport.base import Handle
 
 ROWS = ("compute", "gates", "queue", "wire", "update")
 
@@ -32,18 +39,81 @@ def now_us() -> float:
     return time.perf_counter_ns() / 1e3
 
 
-class Tracer:
+WRITE_EVERY = 20
+"""Iterations between rewrites of the file, so a run that dies still leaves a trace."""
+
+
+class Tracer(Observer):
     """Collects complete ("X") events for one rank and writes them as JSON."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        root: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        tracker: CallbackTracker,
+    ):
         self.path = Path(directory) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.iteration = -1
+        self._root = root
+        self._tracker = tracker
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # completion callbacks run on communication threads
         self._open: dict[tuple[str, int], float] = {}
         self._written = -1
+        self._ready_us: list[float] = []
+        self._hooks = self._attach_modules(root, params)
+
+    # ------------------------------------------------------------------ events
+    def layout_built(self, layout: GradLayout, summary: str | None) -> None:
+        self._ready_us = [0.0] * len(layout.buckets)
+        if summary is not None:
+            self.note("layout", summary=summary)
+
+    def iteration_started(self, iteration: int) -> None:
+        self.iteration = iteration
+        if iteration % WRITE_EVERY == 0:
+            self.write()
+
+    def forward_started(self) -> None:
+        if torch.is_grad_enabled() and self._root.training:
+            self.end("compute", 0, "iteration")
+            self.begin("compute", 0)
+
+    def gradient_ready(self, slot: int) -> None:
+        owner = self._owner_of_slot.get(slot)
+        if owner is not None:
+            self.end("compute", -owner[0], f"backward {owner[1]}")
+
+    def bucket_ready(self, bucket: int) -> None:
+        self._ready_us[bucket] = now_us()
+
+    def partition_issued(self, partition: Partition, handle: Handle) -> None:
+        issued = now_us()
+        name = f"P{partition.pid} b{partition.bucket}"
+        self.span("queue", name, self._ready_us[partition.bucket], issued, bytes=partition.nbytes)
+        self._tracker.when_complete(handle, lambda: self.span(
+            "wire", name, issued, now_us(), bytes=partition.nbytes, priority=partition.priority))
+
+    def reduction_waited(self, bucket: int, start_s: float, end_s: float) -> None:
+        self.span("gates", f"wait b{bucket}", start_s * 1e6, end_s * 1e6)
+
+    def bucket_updated(self, bucket: int, start_s: float, end_s: float) -> None:
+        self.span("update", f"update b{bucket}", start_s * 1e6, end_s * 1e6)
+
+    def step_finished(self, start_s: float, end_s: float) -> None:
+        self.span("compute", "step", start_s * 1e6, end_s * 1e6)
+
+    def closed(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.write()
+
+    # ----------------------------------------------------------------- records
 
     def span(self, row: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
         event = {"name": name, "ph": "X", "pid": self.rank, "tid": row, "ts": start_us,
@@ -66,13 +136,13 @@ class Tracer:
         if start is not None:
             self.span(row, name, start, now_us(), **args)
 
-    def attach_modules(self, root: torch.nn.Module, params: list[torch.nn.Parameter]) -> list:
+    def _attach_modules(self, root: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[RemovableHandle]:
         """Forward spans for every module; backward spans for modules owning parameters.
 
         A backward span opens when autograd starts the node that produced the
         module's output (a node pre-hook: no tensor is wrapped, so in-place
         operations stay legal) and closes when the module's first parameter
-        gradient is ready (`param_ready`). Returns the hook handles.
+        gradient is ready (`gradient_ready`). Returns the hook handles.
         """
         slot_of = {id(p): slot for slot, p in enumerate(params)}
         self._owner_of_slot: dict[int, tuple[int, str]] = {}
@@ -94,11 +164,6 @@ class Tracer:
         node = getattr(output, "grad_fn", None)
         if owns_parameters and node is not None:
             node.register_prehook(lambda grad_outputs, key=key: self.begin("compute", -key))
-
-    def param_ready(self, slot: int) -> None:
-        owner = self._owner_of_slot.get(slot)
-        if owner is not None:
-            self.end("compute", -owner[0], f"backward {owner[1]}")
 
     def write(self) -> Path:
         """Write every event so far; atomically, so a reader never sees half a file."""

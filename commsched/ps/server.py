@@ -30,7 +30,6 @@ worker gone) is clean. ``async`` training goes on without it (logged).
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import queue
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.buckets import bucket_layout
+from commsched.errors import wait_work
 from commsched.ps.protocol import (
     ACK_TAG, HEADER_TAG, LAYOUT_TAG, PARAMS_TAG, PLAN_TAG, STATE_TAG, Command, header_length,
     pull_tag, push_tag, state_message_length, trailer_length,
@@ -51,9 +51,8 @@ from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.scheduler import fifo_plan
 from commsched.sharding import ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
-from commsched.updates import (
-    BucketUpdater, decode_hyperparameters, encoded_length, optimizer_kind, _user_class,
-)
+from commsched.update.fused import BucketUpdater
+from commsched.update.kinds import decode_hyperparameters, encoded_length, optimizer_kind, user_class
 
 logger = logging.getLogger("commsched")
 
@@ -119,8 +118,9 @@ class ParameterServer:
         self._header_length = header_length(encoded_length(self.kind, self.num_groups))
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._timeout = datetime.timedelta(seconds=strategy.timeout_s)
-        self._max_lead = math.inf if strategy.ps_max_staleness is None else strategy.ps_max_staleness
+        self._timeout = strategy.timeout_s
+        self.mode = strategy.backend.mode
+        self._max_lead = math.inf if strategy.backend.max_staleness is None else strategy.backend.max_staleness
 
     # ------------------------------------------------------------------ setup
     def _build(self, forward_order: list[int]) -> None:
@@ -177,7 +177,7 @@ class ParameterServer:
                 group = group_of.get(id(self.params[segment.slot]))
                 if group is not None:
                     groups[group]["params"].append(view)
-        return _user_class(self.optimizer)(groups)
+        return user_class(self.optimizer)(groups)
 
     # ------------------------------------------------------------------ serve
     def serve(self) -> ServerReport:
@@ -267,7 +267,7 @@ class ParameterServer:
 
     def _check_even(self, finished: dict[int, int]) -> None:
         """In sync mode, no worker may begin an iteration that a finished worker will never push."""
-        if self.strategy.ps_mode != "sync":
+        if self.mode != "sync":
             return
         for done, count in finished.items():
             for w in range(self.num_workers):
@@ -291,7 +291,7 @@ class ParameterServer:
     def _on_finish(self, w: int, finished: dict[int, int], how: str) -> None:
         finished[w] = self._header_iteration[w] + 1
         self._how_finished[w] = how
-        if self.strategy.ps_mode == "sync" and any(self._arrived.values()):
+        if self.mode == "sync" and any(self._arrived.values()):
             self._fail_uneven(w, finished[w], "other workers' gradients of the next iteration had arrived")
         self._check_even(finished)
         self._release_held()
@@ -304,7 +304,7 @@ class ParameterServer:
                 f"{self.roles.rank} {when} without finishing ({error})")
         logger.warning(
             "commsched: %s: %s", text,
-            "training goes on without it" if self.strategy.ps_mode == "async" else
+            "training goes on without it" if self.mode == "async" else
             "the end of training if every worker does the same, an error if another goes on",
         )
         self.board.report_departure(text)  # read only by a worker whose own communication fails
@@ -315,7 +315,7 @@ class ParameterServer:
         raise ParameterServerError(text)
 
     def _on_push(self, w: int, pid: int) -> None:
-        if self.strategy.ps_mode == "async":
+        if self.mode == "async":
             self._update_async(pid, w)
             return
         self._arrived[pid] += 1
@@ -460,13 +460,10 @@ class ParameterServer:
                    self._timeout)
 
     @staticmethod
-    def _wait(work: dist.Work, timeout: datetime.timedelta | None, quiet: bool = False) -> None:
+    def _wait(work: dist.Work, timeout_s: float | None, quiet: bool = False) -> None:
+        """Wait (None: the process group's timeout); ``quiet``: a failure is no error (the end)."""
         try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=timeout)
+            wait_work(work, timeout_s)
         except RuntimeError:
             if not quiet:
                 raise
-

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from commsched.cluster import EmulatedCluster, LinkSpec, unavailable_reason
+from commsched.bench.cluster import EmulatedCluster, LinkSpec, unavailable_reason
 
 pytestmark = [
     pytest.mark.distributed,
@@ -102,11 +102,12 @@ def test_commsched_trains_across_hosts():
 
 
 def test_bench_runs_one_cell_with_torchrun_on_every_host():
-    from commsched.bench import COMPUTE_ONLY, Cell, run_cell, summarize, systems
+    from commsched.bench.grid import Cell, lineup, run_cell, summarize
+    from commsched.bench.systems import ComputeOnly
 
     cell = Cell("resnet-like", rate_gbit=1.0, hosts=2, batch_size=2, ps_servers=1)
-    chosen = systems(ps_servers=1)
+    chosen = lineup(ps_servers=1)
     result = run_cell(cell, chosen, rounds=1, iterations=1, warmup=1, timeout_s=300, port=29622)
-    assert set(chosen) <= set(result) and COMPUTE_ONLY in result
-    row = summarize(cell, [result])
+    assert {s.name for s in chosen} <= set(result["systems"]) and ComputeOnly().name in result["systems"]
+    row = summarize(cell, [result], chosen)
     assert row["bound_ms"] > 0 and row["commsched_ms"] > 0 and row["ps_ms"] > 0 and row["ps_bound_ms"] > 0

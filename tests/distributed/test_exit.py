@@ -1,7 +1,9 @@
-"""Ending a run: groups only commsched holds are freed by its exit handler.
+"""Ending a run: groups only commsched holds are freed when the model is released.
 
-Freed later, while the interpreter finalizes, a gloo group can abort the process
-after a clean run (see [Note: process groups at exit] in commsched/reducer.py).
+``commsched.release(model)`` and the exit handler of a model never released
+share `GradientReducer.shut_down`. Freed later, while the interpreter
+finalizes, a gloo group can abort the process after a clean run (see [Note:
+process groups at exit] in commsched/reducer.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def groups_freed_at_exit(rank: int, world_size: int) -> tuple[int, int, int]:
     optimizer.synchronize()
     dist.destroy_process_group()
     after_destroy = thread_count()
-    model._commsched_reducer.finish_at_exit()  # what the atexit handler runs
+    commsched.release(model)  # shuts down as the exit handler does, after waiting for what is in flight
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.RELEASED
     return with_world_group, after_destroy, thread_count()
 
 
@@ -47,5 +50,5 @@ def test_destroyed_groups_are_freed_at_exit():
         # After destroy_process_group() the reducer still holds its buffer group,
         # whose gloo threads run on ...
         assert after_destroy > with_world_group, (rank, with_world_group, after_destroy)
-        # ... until the exit handler lets go and the group's destructor joins them.
+        # ... until release (or the exit handler) lets go and the group's destructor joins them.
         assert at_exit <= with_world_group, (rank, with_world_group, after_destroy, at_exit)

@@ -37,9 +37,10 @@ PS_STRATEGIES = {
 }
 
 
-def prepare_or_serve(model, optimizer, num_servers, **kwargs):
+def prepare_or_serve(model, optimizer, num_servers, ps_mode="sync", ps_max_staleness=None, **kwargs):
     """prepare() with the PS backend; None on a server rank once the workers are done."""
-    strategy = commsched.Strategy(backend="ps", num_servers=num_servers, **kwargs)
+    backend = commsched.ParameterServer(num_servers=num_servers, mode=ps_mode, max_staleness=ps_max_staleness)
+    strategy = commsched.Strategy(backend=backend, **kwargs)
     try:
         return commsched.prepare(model, optimizer, strategy)
     except ServingFinished as done:
@@ -49,6 +50,9 @@ def prepare_or_serve(model, optimizer, num_servers, **kwargs):
 
 
 SERVER_REPORTS: list = []
+
+ONE_BLOCK_PER_TENSOR = {"bucket_cap_mb": 1e-6, "first_bucket_mb": 1e-6}
+"""A Linear layer's weight and bias in a block each: with two servers, each holds one."""
 
 
 def finish(model) -> None:
@@ -177,27 +181,45 @@ def case_checkpoint_resumes_exactly(rank, world_size, servers):
 
 
 def case_buffers_stay_on_workers(rank, world_size, servers):
-    """BatchNorm buffers are broadcast among the workers; the servers hold parameters only."""
+    """BatchNorm buffers are rank 0's, broadcast among the workers; the servers hold parameters only.
+
+    The reference runs each worker's micro-batch (BatchNorm in training mode uses
+    its own batch's statistics, as on the workers) and keeps the running
+    statistics of rank 0's micro-batch, which the workers broadcast.
+    """
+    workers = world_size - servers
     torch.manual_seed(0)
     model = BatchNormNet()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     if prepare_or_serve(model, optimizer, servers) is None:
         return
     try:
+        target = torch.zeros(4, dtype=torch.long)
         for step in range(3):
-            x = torch.randn(4, 1, 6, 6, generator=torch.Generator().manual_seed(step * 10 + rank)) + rank
-            F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+            xs = [torch.randn(4, 1, 6, 6, generator=torch.Generator().manual_seed(step * 10 + r)) + r
+                  for r in range(workers)]
+            F.cross_entropy(model(xs[rank]), target).backward()
             optimizer.step()
             optimizer.zero_grad()
+            loss = F.cross_entropy(reference(xs[0]), target)
+            rank0_buffers = copy.deepcopy(dict(reference.named_buffers()))
+            loss = (loss + sum(F.cross_entropy(reference(x), target) for x in xs[1:])) / workers
+            loss.backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            for name, buffer in reference.named_buffers():
+                buffer.copy_(rank0_buffers[name])
         model.eval()
         with torch.enable_grad():
-            model(x)  # broadcasts rank 0's buffers
-        stats = model.features[1].running_mean
-        gathered = [torch.empty_like(stats) for _ in range(world_size - servers)]
-        torch.distributed.all_gather(gathered, stats, group=model._commsched_reducer.process_group)
-        assert all(torch.equal(g, gathered[0]) for g in gathered)
-        assert not torch.equal(model.head.weight, reference.head.weight)
+            model(xs[0])  # broadcasts rank 0's buffers
+        for name, buffer in model.named_buffers():
+            expected = dict(reference.named_buffers())[name]
+            torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"buffer '{name}': {m}")
+        assert_close_parameters(model, reference)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert sum(commsched.status(model).server_bytes) == parameter_bytes  # no buffer went to a server
     finally:
         finish(model)
 
@@ -237,7 +259,8 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
     if rank < workers:
         model = fresh_pair("sgd")[0]
         with pytest.raises(ValueError, match=r"supports torch.optim.SGD, Adam and AdamW only"):
-            commsched.prepare(model, torch.optim.RMSprop(model.parameters()), commsched.Strategy(backend="ps"))
+            commsched.prepare(model, torch.optim.RMSprop(model.parameters()),
+                              commsched.Strategy(backend=commsched.ParameterServer()))
 
 
 def case_async_training_converges(rank, world_size, servers):
@@ -246,10 +269,11 @@ def case_async_training_converges(rank, world_size, servers):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    if prepare_or_serve(model, optimizer, servers, ps_mode="async") is None:
+    if prepare_or_serve(model, optimizer, servers, ps_mode="async", **ONE_BLOCK_PER_TENSOR) is None:
         report = SERVER_REPORTS[-1]
-        assert len(report.staleness) == report.updates and (report.updates > 0 or report.blocks == 0)
-        assert "staleness mean" in report.describe() or report.blocks == 0
+        assert report.blocks >= 1, "every server must hold a block, or it checks nothing"
+        assert len(report.staleness) == report.updates and report.updates > 0
+        assert "staleness mean" in report.describe()
         return
     truth = torch.randn(16, 1, generator=torch.Generator().manual_seed(5))
     generator = torch.Generator().manual_seed(100 + rank)
@@ -280,9 +304,11 @@ def case_async_staleness_is_bounded(rank, world_size, servers):
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        if prepare_or_serve(model, optimizer, servers, ps_mode="async", ps_max_staleness=bound) is None:
+        if prepare_or_serve(model, optimizer, servers, ps_mode="async", ps_max_staleness=bound,
+                            **ONE_BLOCK_PER_TENSOR) is None:
             report = SERVER_REPORTS[-1]
-            assert report.blocks == 0 or (report.max_lead > 3 if bound is None else report.max_lead <= bound)
+            assert report.blocks >= 1, "every server must hold a block, or it checks nothing"
+            assert report.max_lead > 3 if bound is None else report.max_lead <= bound, report.max_lead
             continue
         gaps = []
         try:
@@ -320,15 +346,14 @@ def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
         return
     try:
         _train(model, optimizer, rank, workers, list(enumerate(batches(workers, iterations=5))))
+        blocks = commsched.status(model).partitions
     finally:
-        finish(model)
-    model._commsched_reducer._tracer.write()
+        finish(model)  # writes the trace
     events = json.loads((Path(directory) / f"rank{rank}.json").read_text())["traceEvents"]
     notes = [e for e in events if e.get("ph") == "i" and e["name"] == "layout"]
     assert len(notes) == 1 and "most loaded / mean" in notes[0]["args"]["summary"]
     wire = [e for e in events if e.get("tid") == "wire" and e["ph"] == "X"]
-    blocks = len(model._commsched_reducer.partitions)
-    assert len(wire) == 5 * blocks, (len(wire), blocks)
+    assert blocks > 0 and len(wire) == 5 * blocks, (len(wire), blocks)
 
 
 def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:

@@ -64,7 +64,7 @@ def train_until_a_peer_dies(
         _job_store().set("server pid", str(os.getpid()))
         threading.Thread(target=_signal_self_when_told, args=("kill", signum), daemon=True).start()
     model, optimizer = _model_and_optimizer()
-    strategy = commsched.Strategy(backend="ps", num_servers=SERVERS, timeout_s=timeout_s)
+    strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=SERVERS), timeout_s=timeout_s)
     try:
         model, optimizer = commsched.prepare(model, optimizer, strategy)
     except ServingFinished:

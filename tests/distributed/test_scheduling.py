@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
-from commsched.reducer import WARMUP_ITERATIONS
+from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (
@@ -150,7 +150,7 @@ def run_until_overlap(rank, world_size, model, optimizer, reference, reference_o
         optimizer.step()
         optimizer.zero_grad()
         reference_step(reference, reference_optimizer, x, y, iteration, world_size)
-    assert model._commsched_reducer._overlap_now, "the run never reached forward overlap"
+    assert commsched.status(model).overlapping, "the run never reached forward overlap"
 
 
 def case_lr_scheduler(rank, world_size):
@@ -163,7 +163,7 @@ def case_lr_scheduler(rank, world_size):
         schedulers[0].step()  # changes lr before the pending updates run: they must use the old one
         reference_step(reference, reference_optimizer, x, y, iteration, world_size)
         schedulers[1].step()
-    assert model._commsched_reducer._overlap_now
+    assert commsched.status(model).overlapping
     assert_same_parameters(model, reference)
 
 
@@ -191,12 +191,18 @@ def case_checkpoint_moves_to_plain_torch_and_back(rank, world_size):
     assert_same_parameters(resumed, reference)
 
 
+def buckets_holding(model, prefix: str) -> set[int]:
+    """The buckets that hold parameters whose names start with ``prefix``."""
+    found = {b.index for b in commsched.status(model).buckets if any(n.startswith(prefix) for n in b.parameters)}
+    assert found, f"no bucket holds a parameter named {prefix}*"
+    return found
+
+
 def case_gates_wait_only_for_their_own_module(rank, world_size):
     one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
     model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], one_bucket_per_module)
     run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
-    gates = model._commsched_reducer._gate_buckets
-    assert not set(gates[id(model.embed)]) & set(gates[id(model.head)])
+    assert not buckets_holding(model, "embed.") & buckets_holding(model, "head.")
     x, y = next(batches(world_size, 1))
     F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
     head_before = model.head.weight.detach().clone()
@@ -243,7 +249,7 @@ def case_parameter_used_before_its_module(rank, world_size):
         loss.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    assert model._commsched_reducer._overlap_now
+    assert commsched.status(model).overlapping
     assert_same_parameters(model, reference)
 
 
@@ -279,8 +285,10 @@ def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
     assert our_losses == pytest.approx(ddp_losses, rel=1e-4, abs=1e-6)
     for key, value in ddp_snapshot.items():
         torch.testing.assert_close(our_snapshot[key], value, rtol=1e-4, atol=1e-5)
-    reason = ours._commsched_reducer._overlap_off_reason
+    status = commsched.status(ours)
+    reason = status.overlap_off_reason
     assert reason is not None and "clip_grad_norm_" in reason
+    assert status.lifecycle is commsched.Lifecycle.SYNCHRONOUS
 
 
 def case_gradient_change_during_overlap_is_an_error(rank, world_size):
@@ -342,11 +350,11 @@ def case_forward_order_sets_priority(rank, world_size):
     model = Reordered()
     model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
-    reducer = model._commsched_reducer
-    flags = reducer.buckets[reducer._flags_bucket]
-    assert any(p is model.embed.weight for p in flags.params), "the forward-first layer must be most urgent"
-    most_urgent = min(reducer.partitions, key=lambda p: p.priority)
-    assert most_urgent.bucket == reducer._flags_bucket
+    status = commsched.status(model)
+    flags = status.buckets[status.flags_bucket]
+    assert "embed.weight" in flags.parameters, "the forward-first layer must be most urgent"
+    most_urgent = min(status.buckets, key=lambda b: b.priority)
+    assert most_urgent.index == status.flags_bucket and most_urgent.partitions >= 1
     optimizer.step()
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import commsched
-from commsched.reducer import WARMUP_ITERATIONS
+from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing.models import ParityNet
-from commsched.trace_report import report
+from commsched.bench.trace_report import report
 
 pytestmark = pytest.mark.distributed
 ITERATIONS = WARMUP_ITERATIONS + 3
@@ -29,8 +29,9 @@ def train_traced(rank: int, world_size: int, directory: str) -> int:
         optimizer.step()
         optimizer.zero_grad()
     model(torch.randn(4, 8))  # closes the last iteration span
-    model._commsched_reducer.close()
-    return len(model._commsched_reducer.partitions)
+    partitions = commsched.status(model).partitions
+    commsched.release(model)  # writes the trace
+    return partitions
 
 
 def test_trace_files_spans_and_report(ranks, tmp_path):
@@ -53,12 +54,13 @@ def test_trace_files_spans_and_report(ranks, tmp_path):
         assert any(e["name"].startswith("update b") for e in events)
         iterations = [e for e in events if e["name"] == "iteration"]
         assert len(iterations) == ITERATIONS
-        # the wire never runs before the queue hands the partition over
+        # the wire never runs before the queue hands the partition over, for every partition
         queued = {(e["args"]["iteration"], e["name"]): e for e in events if e["tid"] == "queue"}
-        for e in events:
-            if e["tid"] == "wire":
-                q = queued[(e["args"]["iteration"], e["name"])]
-                assert e["ts"] >= q["ts"] + q["dur"] - 1.0
+        wire = [e for e in events if e["tid"] == "wire"]
+        assert partitions > 0 and len(wire) == len(queued) == ITERATIONS * partitions, (len(wire), len(queued))
+        for e in wire:
+            q = queued[(e["args"]["iteration"], e["name"])]
+            assert e["ts"] >= q["ts"] + q["dur"] - 1.0, (e, q)
     text = report(tmp_path, png=tmp_path / "gantt.png")
     assert "overlap" in text and f"median over {2 * ITERATIONS} rank-iterations" in text
     assert (tmp_path / "gantt.png").stat().st_size > 10_000

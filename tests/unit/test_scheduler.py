@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from commsched.scheduler import (
     LinkModel,
+    Plan,
     PlanExecutor,
     SimulatedSchedule,
     fifo_plan,
@@ -123,7 +124,7 @@ class FakeLink:
 def test_executor_follows_the_plan_blocks_on_readiness_and_credit():
     partitions = make_partitions([100, 25], [4, 4], [9, 0], 100)  # four of 100 B, one of 100 B
     link = FakeLink()
-    executor = PlanExecutor(partitions, [0, 4, 1, 2, 3], credit_bytes=200)
+    executor = PlanExecutor(Plan(tuple(partitions), (0, 4, 1, 2, 3), credit_bytes=200))
     executor.mark_ready(0)
     executor.pump(link.launch, link.is_completed)
     assert link.launched == [0]  # 4 is next in the plan but its bucket is not ready: no skipping
@@ -142,7 +143,7 @@ def test_executor_follows_the_plan_blocks_on_readiness_and_credit():
 def test_a_partition_larger_than_the_window_goes_alone():
     partitions = make_partitions([100], [4], [0], 400)
     link = FakeLink()
-    executor = PlanExecutor(partitions, [0], credit_bytes=10)
+    executor = PlanExecutor(Plan(tuple(partitions), (0,), credit_bytes=10))
     executor.mark_ready(0)
     executor.pump(link.launch, link.is_completed)
     assert link.launched == [0]
@@ -151,4 +152,4 @@ def test_a_partition_larger_than_the_window_goes_alone():
 def test_executor_rejects_a_plan_that_misses_partitions():
     partitions = make_partitions([100], [4], [0], 100)
     with pytest.raises(ValueError, match="every partition exactly once"):
-        PlanExecutor(partitions, [0, 0, 1], credit_bytes=None)
+        Plan(tuple(partitions), (0, 0, 1), credit_bytes=None)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.sharding import make_blocks, min_block_bytes_for, place_blocks, plan_model_sharding
-from commsched.updates import decode_hyperparameters, encode_hyperparameters, hyperparameter_snapshot
+from commsched.update.kinds import decode_hyperparameters, encode_hyperparameters, hyperparameter_snapshot
 
 shapes = st.lists(
     st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=8

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from commsched import Strategy
+from commsched import AllReduce, ParameterServer, Strategy
 from commsched.strategy import MIB
 
 
@@ -58,10 +59,46 @@ def test_scheduling_flags_must_be_bools(field):
         Strategy(**{field: 1})
 
 
-def test_parameter_server_fields_are_validated():
-    strategy = Strategy(backend="ps", num_servers=2, ps_mode="async")
+def test_parameter_server_config_is_validated():
+    strategy = Strategy(backend=ParameterServer(num_servers=2, mode="async"))
     assert strategy.parameter_server and strategy.ps_block_bytes == MIB
-    assert Strategy(backend="ps", partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+    assert strategy.backend == ParameterServer(num_servers=2, mode="async", max_staleness=None)
+    assert Strategy(backend=ParameterServer(), partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+    assert Strategy().backend == AllReduce() and not Strategy().parameter_server
+    with pytest.raises(ValueError, match=r"Strategy.backend must be commsched.AllReduce\(\) or commsched.ParameterServer"):
+        Strategy(backend=3)
+    with pytest.raises(ValueError, match=r"ParameterServer.mode must be one of 'sync', 'async', got 'lazy'"):
+        ParameterServer(mode="lazy")
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"ParameterServer.num_servers must be an integer >= 1"):
+            ParameterServer(num_servers=bad)
+    assert ParameterServer(mode="async", max_staleness=0).max_staleness == 0
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"ParameterServer.max_staleness must be None or an integer >= 0"):
+            ParameterServer(mode="async", max_staleness=bad)
+    with pytest.raises(ValueError, match=r"ParameterServer.max_staleness applies to mode='async' only"):
+        ParameterServer(max_staleness=2)
+    with pytest.raises(ValueError, match=r"give them inside ParameterServer\(...\) only"):
+        Strategy(backend=ParameterServer(), num_servers=2)
+
+
+def test_replace_moves_between_backends():
+    ps = Strategy(backend=ParameterServer(num_servers=2), bucket_cap_mb=4)
+    assert dataclasses.replace(ps, bucket_cap_mb=8).backend == ParameterServer(num_servers=2)
+    assert dataclasses.replace(ps, backend=AllReduce()).backend == AllReduce()
+    assert "num_servers" not in Strategy().describe() and "backend=AllReduce()" in Strategy().describe()
+
+
+def test_flat_parameter_server_fields_are_a_deprecated_spelling():
+    with pytest.warns(DeprecationWarning, match=r"write Strategy\(backend=commsched.ParameterServer"):
+        strategy = Strategy(backend="ps", num_servers=2, ps_mode="async")
+    assert strategy.parameter_server and strategy.ps_block_bytes == MIB
+    assert strategy.backend == ParameterServer(num_servers=2, mode="async")
+    assert strategy.num_servers is None  # input only: the config holds the value
+    with pytest.warns(DeprecationWarning):
+        assert Strategy(backend="ps", partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+    with pytest.warns(DeprecationWarning):
+        assert Strategy(backend="allreduce").backend == AllReduce()
     with pytest.raises(ValueError, match=r"Strategy.backend must be one of 'allreduce', 'ps', got 'nccl'"):
         Strategy(backend="nccl")
     with pytest.raises(ValueError, match=r"Strategy.ps_mode must be one of 'sync', 'async', got 'lazy'"):
@@ -75,8 +112,9 @@ def test_parameter_server_fields_are_validated():
         Strategy(ps_mode="async")
 
 
-def test_staleness_bound_is_validated():
-    assert Strategy(backend="ps", ps_mode="async", ps_max_staleness=0).ps_max_staleness == 0
+def test_flat_staleness_bound_is_validated():
+    with pytest.warns(DeprecationWarning):
+        assert Strategy(backend="ps", ps_mode="async", ps_max_staleness=0).backend.max_staleness == 0
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=r"Strategy.ps_max_staleness must be None or an integer >= 0"):
             Strategy(backend="ps", ps_mode="async", ps_max_staleness=bad)

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from commsched.updates import BucketUpdater, unsupported_reason
+from commsched.update.fused import BucketUpdater
+from commsched.update.kinds import unsupported_reason
 
 CONFIGS = {
     "sgd": (torch.optim.SGD, dict(lr=0.1)),

@@ -11,7 +11,7 @@ towards the host. Needs root and iproute2.
         procs = [cluster.popen(i, [sys.executable, "train.py"], cluster.torch_env(i)) for i in range(2)]
 
 Tear-down always runs: on leaving the ``with`` block, on an exception, on
-Ctrl-C, and on SIGTERM; ``remove_stale()`` clears leftovers of a killed run.
+Ctrl-C, and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -82,15 +82,6 @@ def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
-
-
-def remove_stale(prefix: str = PREFIX) -> list[str]:
-    """Delete namespaces left by a run that was killed before it could clean up."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    names = [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]
-    for name in names:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return names
 
 
 class EmulatedCluster:

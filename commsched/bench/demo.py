@@ -7,12 +7,13 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from commsched.compare import DDP, ComparisonConfig, SystemResult, compare_on_rank
-from commsched.launch import run_ranks
+from commsched.bench.compare import ComparisonConfig, SystemResult, compare_on_rank
+from commsched.bench.systems import TorchDDP
+from commsched.testing.launch import run_ranks
 
 
 def run_demo(config: ComparisonConfig, world_size: int = 2, timeout_s: float = 600.0) -> dict[str, SystemResult]:
-    """Spawn ``world_size`` local ranks (gloo over loopback) and compare the two systems."""
+    """Spawn ``world_size`` local ranks (gloo over loopback) and compare the systems of ``config``."""
     results = run_ranks(compare_on_rank, world_size, config, timeout_s=timeout_s)
     return results[0]
 
@@ -29,7 +30,7 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
     for column in ("system", "median iteration (ms)", "p10-p90 (ms)", "vs torch DDP",
                    "final train loss", "held-out loss"):
         table.add_column(column, justify="left" if column == "system" else "right")
-    ddp_median = results[DDP].median_s
+    ddp_median = results[TorchDDP().name].median_s
     for name, result in results.items():
         deciles = statistics.quantiles(result.iteration_times_s, n=10)
         table.add_row(

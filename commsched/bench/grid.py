@@ -3,7 +3,7 @@
 For every cell of a grid (model, link rate, number of hosts, batch size), a
 fresh `EmulatedCluster` is built and one process per host is started with
 torchrun (``--nnodes``, gloo bound to the host's ``eth0``). In that one run
-every system trains side by side in interleaved rounds (`commsched.compare`):
+every system trains side by side in interleaved rounds (`commsched.bench.compare`):
 compute alone (every host computing, no communication), torch DDP with its
 defaults, torch DDP with each ``bucket_cap_mb`` of a small sweep, commsched
 with scheduling off, commsched with its default `Strategy`, and commsched's
@@ -25,27 +25,26 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from commsched.compare import (
-    ALLREDUCE_ONLY,
-    COMMSCHED,
-    DDP,
-    LOCAL,
+from commsched.bench.systems import (
     UNSCHEDULED,
-    ComparisonConfig,
-    DDPSpec,
+    Commsched,
+    ComputeOnly,
+    System,
+    TorchDDP,
+    decode,
+    encode,
+    scheduling_off,
 )
-from commsched.strategy import Strategy
+from commsched.strategy import ParameterServer, Strategy
 
-COMPUTE_ONLY = "compute only"
-UNSCHEDULED_NAME = "commsched, scheduling off"
 DDP_SWEEP_MB = (5.0, 100.0)
 """bucket_cap_mb values tried besides DDP's default 25, for the best-DDP column."""
 BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
@@ -53,6 +52,8 @@ BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
 
 @dataclass(frozen=True)
 class Cell:
+    """One point of the grid, measured on a fresh emulated cluster."""
+
     model: str
     rate_gbit: float
     hosts: int
@@ -62,34 +63,13 @@ class Cell:
     """Extra hosts serving the parameter-server system (0: no such system)."""
 
 
-def ps_name(servers: int) -> str:
-    return f"commsched PS, {servers} server{'s' if servers > 1 else ''}"
-
-
-def systems(trace_dir: str | None = None, ps_servers: int = 0) -> dict[str, object]:
-    chosen: dict[str, object] = {COMPUTE_ONLY: LOCAL, DDP: None}
-    chosen.update({f"torch DDP, bucket_cap_mb={cap:g}": DDPSpec(cap) for cap in DDP_SWEEP_MB})
-    chosen[UNSCHEDULED_NAME] = UNSCHEDULED
-    chosen[COMMSCHED] = Strategy(trace_dir=trace_dir)
+def lineup(trace_dir: str | None = None, ps_servers: int = 0) -> tuple[System, ...]:
+    """The systems every cell trains; ``trace_dir`` traces the default commsched system."""
+    chosen: list[System] = [ComputeOnly(), TorchDDP(), *(TorchDDP(cap) for cap in DDP_SWEEP_MB),
+                            Commsched(UNSCHEDULED, "scheduling off"), Commsched(Strategy(trace_dir=trace_dir))]
     if ps_servers:
-        chosen[ps_name(ps_servers)] = Strategy(backend="ps", num_servers=ps_servers)
-    return chosen
-
-
-def _encode(system: object) -> object:
-    if isinstance(system, Strategy):
-        return {"strategy": asdict(system)}
-    if isinstance(system, DDPSpec):
-        return {"ddp": asdict(system)}
-    return system
-
-
-def _decode(system: object) -> object:
-    if isinstance(system, dict) and "strategy" in system:
-        return Strategy(**system["strategy"])
-    if isinstance(system, dict) and "ddp" in system:
-        return DDPSpec(**system["ddp"])
-    return system
+        chosen.append(Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers))))
+    return tuple(chosen)
 
 
 # ------------------------------------------------------------------ one cell
@@ -98,27 +78,31 @@ def worker(config_path: Path, out_path: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from commsched.compare import compare_on_rank
+    from commsched.bench.compare import ComparisonConfig, allreduce_on_rank, compare_on_rank
 
     torch.set_num_threads(1)
     spec = json.loads(config_path.read_text())
-    chosen = tuple((name, _decode(s)) for name, s in spec.pop("systems"))
-    config = ComparisonConfig(**spec, systems=chosen, show_progress=False, measure_allreduce=True)
+    chosen = tuple(decode(system) for system in spec.pop("systems"))
+    config = ComparisonConfig(**spec, systems=chosen, show_progress=False)
     dist.init_process_group("gloo")
-    results = compare_on_rank(dist.get_rank(), dist.get_world_size(), config)
-    if dist.get_rank() == 0:
-        out_path.write_text(json.dumps({name: asdict(r) for name, r in results.items()}))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = compare_on_rank(rank, world_size, config)
+    allreduce = allreduce_on_rank(rank, world_size, config)
+    if rank == 0:
+        out_path.write_text(json.dumps({"systems": {name: asdict(r) for name, r in results.items()},
+                                        "allreduce": asdict(allreduce)}))
     dist.destroy_process_group()
 
 
-def run_cell(cell: Cell, chosen: dict[str, object], rounds: int, iterations: int, warmup: int,
+def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
              timeout_s: float, port: int = 29533) -> dict:
-    from commsched.cluster import EmulatedCluster, LinkSpec
+    """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result}``."""
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec
 
     spec = {
         "workload": cell.model, "batch_size": cell.batch_size, "iterations": iterations,
         "rounds": rounds, "warmup": warmup, "num_servers": cell.ps_servers,
-        "systems": [(name, _encode(s)) for name, s in chosen.items()],
+        "systems": [encode(system) for system in chosen],
     }
     hosts = cell.hosts + cell.ps_servers
     with tempfile.TemporaryDirectory() as tmp, \
@@ -129,7 +113,7 @@ def run_cell(cell: Cell, chosen: dict[str, object], rounds: int, iterations: int
         for host in range(hosts):
             argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
                     "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
-                    f"--master-port={port}", "-m", "commsched.bench", "--worker", str(config_path), str(out_path)]
+                    f"--master-port={port}", "-m", "commsched.bench.grid", "--worker", str(config_path), str(out_path)]
             procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         try:
@@ -145,25 +129,47 @@ def run_cell(cell: Cell, chosen: dict[str, object], rounds: int, iterations: int
 
 
 # ------------------------------------------------------------------ summary
-def summarize(cell: Cell, runs: list[dict]) -> dict:
-    """Medians over repeats of each system's mean iteration time, and the derived ratios."""
+def _the(chosen: Sequence[System], what: str, matches: Callable[[System], bool]) -> str:
+    """The name of the one system of ``chosen`` that ``matches``."""
+    found = [system.name for system in chosen if matches(system)]
+    if len(found) != 1:
+        raise ValueError(f"the systems must hold exactly one {what}, got {found}")
+    return found[0]
+
+
+def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System]) -> dict:
+    """Medians over repeats of each system's mean iteration time, and the derived ratios.
+
+    ``runs`` are `run_cell`'s results for ``cell``, all of the same ``chosen``
+    systems (a `lineup`).
+    """
 
     def per_repeat(name: str) -> list[float]:
-        return [statistics.fmean(r[name]["iteration_times_s"]) for r in runs]
+        return [statistics.fmean(r["systems"][name]["iteration_times_s"]) for r in runs]
 
-    compute = per_repeat(COMPUTE_ONLY)
-    allreduce = [statistics.median(r[ALLREDUCE_ONLY]["iteration_times_s"]) for r in runs]
-    allreduce_cpu = [statistics.median(r[ALLREDUCE_ONLY]["cpu_times_s"]) for r in runs]
+    def allreduce_commsched(system: System, scheduled: bool) -> bool:
+        return (isinstance(system, Commsched) and not system.num_servers
+                and scheduling_off(system.strategy) != scheduled)
+
+    compute = per_repeat(_the(chosen, "compute-only system", lambda s: isinstance(s, ComputeOnly)))
+    allreduce = [statistics.median(r["allreduce"]["iteration_times_s"]) for r in runs]
+    allreduce_cpu = [statistics.median(r["allreduce"]["cpu_times_s"]) for r in runs]
     bounds = [max(c, a) for c, a in zip(compute, allreduce)]
-    ddp_names = [name for name in runs[0] if name.startswith(DDP)]
-    best_ddp = [min(statistics.fmean(r[n]["iteration_times_s"]) for n in ddp_names) for r in runs]
-    ours, off, ddp = per_repeat(COMMSCHED), per_repeat(UNSCHEDULED_NAME), per_repeat(DDP)
+    ddp_names = [system.name for system in chosen if isinstance(system, TorchDDP)]
+    best_ddp = [min(statistics.fmean(r["systems"][n]["iteration_times_s"]) for n in ddp_names) for r in runs]
+    ddp = per_repeat(_the(chosen, "torch DDP with its defaults",
+                          lambda s: isinstance(s, TorchDDP) and s.bucket_cap_mb is None))
+    off = per_repeat(_the(chosen, "all-reduce commsched with scheduling off",
+                          lambda s: allreduce_commsched(s, scheduled=False)))
+    ours = per_repeat(_the(chosen, "all-reduce commsched with scheduling on",
+                           lambda s: allreduce_commsched(s, scheduled=True)))
     ps: dict = {}
     if cell.ps_servers:
-        name = ps_name(cell.ps_servers)
+        name = _the(chosen, f"commsched with {cell.ps_servers} parameter servers",
+                    lambda s: isinstance(s, Commsched) and s.num_servers == cell.ps_servers)
         ps_times = per_repeat(name)
-        busiest_bytes = max(runs[0][name]["server_bytes"])
-        link_s = cell.hosts * busiest_bytes * 8 / (cell.rate_gbit * 1e9)
+        server_bytes = runs[0]["systems"][name]["server_bytes"]
+        link_s = cell.hosts * max(server_bytes) * 8 / (cell.rate_gbit * 1e9)
         ps_bounds = [max(c, link_s) for c in compute]
         ps = {
             "ps_ms": statistics.median(ps_times) * 1e3,
@@ -172,8 +178,7 @@ def summarize(cell: Cell, runs: list[dict]) -> dict:
             "ps_speedup_vs_ddp": statistics.median(d / p for d, p in zip(ddp, ps_times)),
             "ps_vs_allreduce": statistics.median(o / p for o, p in zip(ours, ps_times)),
             "ps_efficiency": statistics.median(b / p for b, p in zip(ps_bounds, ps_times)),
-            "ps_server_imbalance": max(runs[0][name]["server_bytes"]) / statistics.fmean(
-                runs[0][name]["server_bytes"]),
+            "ps_server_imbalance": max(server_bytes) / statistics.fmean(server_bytes),
         }
     return {
         **asdict(cell),
@@ -251,14 +256,18 @@ def plot(rows: list[dict], path: Path) -> Path:
 # ------------------------------------------------------------------ driver
 def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup: int, repeats: int,
              timeout_s: float, trace_dir: Path | None = None) -> list[dict]:
+    """Run every cell ``repeats`` times; write ``runs.json``, ``results.md`` and ``speedup.png`` into ``out``.
+
+    The files are rewritten after each cell, so an interrupted grid keeps what it measured.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     out.mkdir(parents=True, exist_ok=True)
     servers = {cell.ps_servers for cell in cells}
     if len(servers) != 1:
         raise ValueError("every cell of a grid uses the same number of parameter servers")
-    chosen = systems(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
-    record: dict = {"systems": list(chosen), "cells": []}
+    chosen = lineup(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
+    record: dict = {"systems": [system.name for system in chosen], "cells": []}
     rows = []
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
@@ -269,7 +278,7 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
                 progress.update(task, description=f"{cell.model} {cell.hosts} hosts {cell.rate_gbit:g} Gbit/s")
                 runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s))
                 progress.advance(task)
-            rows.append(summarize(cell, runs))
+            rows.append(summarize(cell, runs, chosen))
             record["cells"].append({"cell": asdict(cell), "runs": runs, "summary": rows[-1]})
             (out / "runs.json").write_text(json.dumps(record, indent=1))
             (out / "results.md").write_text(markdown(rows))
@@ -277,19 +286,10 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(*args.worker)
-        return 0
-    return run_from_args(args)
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The options of ``commsched bench``, added to ``parser`` (the CLI's subcommand) or to a new one."""
     parser = parser or argparse.ArgumentParser(prog="commsched bench", description=__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
                         help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat: under 10 minutes")
     parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
@@ -313,7 +313,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from commsched.cluster import unavailable_reason
+    """``commsched bench``: check the machine and the options, run the grid, print the table."""
+    from commsched.bench.cluster import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -334,6 +335,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(markdown(rows))
     print(f"every run: {args.out / 'runs.json'}; table: {args.out / 'results.md'}; plot: {args.out / 'speedup.png'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m commsched.bench.grid``: the grid, or with ``--worker CONFIG OUT`` one host of a cell."""
+    parser = build_parser()
+    parser.add_argument("--worker", nargs=2, type=Path, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""Parameter-server backend, worker side: push gradient blocks, pull new values.
+"""Parameter-server transport, worker side: push gradient blocks, pull new values.
 
 Each partition the scheduler issues is one block of the sharding plan: the
 worker copies the block's gradient (and a trailer: iteration, per-parameter
 "has a gradient" flags) into a send buffer, posts the receive of the block's
 new values into a staging copy of the bucket, and sends. The block's handle
 completes when the new values have arrived, so the credit window covers the
-whole round trip. The "update" of a bucket, run where the all-reduce backend
-runs the optimizer (at a module's gate, or at ``step()`` without overlap), is
-the copy of the pulled values into the parameters.
+whole round trip. The "update" of a bucket (`commsched.update.server_side`),
+run where the all-reduce backend runs the optimizer (at a module's gate, or at
+``step()`` without overlap), is the copy of the pulled values into the
+parameters.
 
 [Note: one waiter per receive] A gloo point-to-point ``Work`` reports neither
 completion (``is_completed()`` stays False until someone waits) nor a future,
@@ -19,7 +20,6 @@ timeout, or attach a callback to.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import threading
@@ -28,18 +28,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.backends.base import Backend, CommunicationTimeout
 from commsched.buckets import Bucket
+from commsched.errors import CommunicationTimeout, communication_timeout, wait_work
 from commsched.ps.protocol import (
-    ACK_TAG, HEADER_TAG, LAYOUT_TAG, PARAMS_TAG, PLAN_TAG, STATE_TAG, Command, make_header, pull_tag,
-    push_tag, state_message_length, trailer_length,
+    HEADER_TAG, LAYOUT_TAG, PLAN_TAG, Command, make_header, pull_tag, push_tag, trailer_length,
 )
 from commsched.ps.roles import FailureBoard, PSRoles
-from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
 from commsched.scheduler import Partition
-from commsched.sharding import Segment, ShardingPlan, plan_model_sharding
+from commsched.sharding import ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
-from commsched.updates import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
+from commsched.update.kinds import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
 
 logger = logging.getLogger("commsched")
 
@@ -80,7 +78,7 @@ class _Waiter:
 
     def __init__(self, server_rank: int, timeout_s: float):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
         self._thread = threading.Thread(
             target=self._run, name=f"commsched-ps-wait-{server_rank}", daemon=True
         )
@@ -99,7 +97,7 @@ class _Waiter:
                 return
             if failed is None:
                 try:
-                    work.wait(timeout=self._timeout)
+                    wait_work(work, self._timeout_s)
                 except BaseException as error:  # noqa: BLE001 - handed to whoever waits
                     failed = error
             completion.finish(failed)
@@ -120,7 +118,7 @@ class _BlockHandle:
 
     __slots__ = ("_backend", "_completion", "_block", "_server")
 
-    def __init__(self, backend: ParameterServerBackend, completion: _Completion, block: int, server: int):
+    def __init__(self, backend: ParameterServerTransport, completion: _Completion, block: int, server: int):
         self._backend, self._completion = backend, completion
         self._block, self._server = block, server
 
@@ -140,31 +138,11 @@ class _BlockHandle:
         self._completion.add_callback(callback)
 
 
-class PulledValues:
-    """The per-bucket "update" of the parameter-server backend: copy the pulled values in.
-
-    Same interface as `commsched.updates.BucketUpdater`, so the reducer gates
-    and steps exactly as with the all-reduce backend.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, stages: Sequence[Bucket]):
-        self._optimizer, self._kind, self._stages = optimizer, kind, stages
-
-    def snapshot(self) -> list[dict[str, object]]:
-        return hyperparameter_snapshot(self._optimizer, self._kind)
-
-    @torch.no_grad()
-    def update(self, bucket: int, hyperparameters: object = None, skip_slots: frozenset[int] = frozenset()) -> None:
-        stage = self._stages[bucket]
-        for param, values in zip(stage.params, stage.grad_views, strict=True):
-            param.copy_(values)
-
-
-class ParameterServerBackend(Backend):
+class ParameterServerTransport:
     """Pushes blocks to their servers and pulls the new values back."""
 
-    server_side_update = True
     is_local = False
+    sums_usage_flags = False
 
     def __init__(
         self,
@@ -186,8 +164,8 @@ class ParameterServerBackend(Backend):
         self.board = board
         self.world_size = len(roles.workers)
         self.plan: ShardingPlan | None = None
-        self._has_grad: list[bool] = []
-        self._stages: list[Bucket] = []
+        self.stages: list[Bucket] = []
+        """Per bucket, a copy whose flat buffer receives the pulled values."""
         self._push_buffers: list[torch.Tensor] = []
         self._push_works: list[dist.Work | None] = []
         self._block_at: dict[tuple[int, int], int] = {}
@@ -195,16 +173,15 @@ class ParameterServerBackend(Backend):
         self._sent_hyperparameters: list[dict[str, object]] | None = None
         self._iteration = -1
         self._waiters = {rank: _Waiter(rank, strategy.timeout_s) for rank in roles.servers}
-        self._finished = False
+        self.finished = False
 
     # ----------------------------------------------------------------- layout
-    def prepare_buckets(
+    def attach(
         self,
         forward_order: Sequence[int],
         bucket_slots: Sequence[Sequence[int]],
         priorities: Sequence[int],
         buckets: Sequence[Bucket],
-        has_grad: list[bool],
     ) -> list[Partition]:
         """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers."""
         if self.roles.rank == self.roles.workers[0]:
@@ -214,8 +191,7 @@ class ParameterServerBackend(Backend):
         self.plan = plan_model_sharding(
             self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
         )
-        self._has_grad = has_grad
-        self._stages = [Bucket(bucket.index, bucket.params) for bucket in buckets]
+        self.stages = [Bucket(bucket.index, bucket.params) for bucket in buckets]
         self._push_buffers = [
             torch.empty(block.end - block.start + trailer_length(len(segments)), dtype=buckets[block.bucket].dtype)
             for block, segments in zip(self.plan.blocks, self.plan.segments, strict=True)
@@ -235,10 +211,18 @@ class ParameterServerBackend(Backend):
         )
         return f"{self.plan.summary(self.roles.servers)}. {placement}"
 
-    def make_updater(self) -> PulledValues:
-        return PulledValues(self.optimizer, self.kind, self._stages)
+    def describe(self) -> str:
+        servers = len(self.roles.servers)
+        return (f"parameter servers ({self.strategy.backend.mode}): {self.world_size} workers, {servers} "
+                f"server{'s' if servers > 1 else ''} (ranks {', '.join(map(str, self.roles.servers))})")
+
+    def server_bytes(self) -> tuple[int, ...]:
+        return () if self.plan is None else tuple(self.plan.loads_bytes())
 
     # -------------------------------------------------------------- iteration
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Workers push their own gradients: the servers sum and divide."""
+
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
         """Send every server this iteration's header (and the new plan, when it changes)."""
         self._wait_all(self._header_works, "an iteration header")
@@ -267,8 +251,8 @@ class ParameterServerBackend(Backend):
                 "(or step LR schedulers) after step() or before backward()."
             )
 
-    def launch(self, bucket: Bucket, start: int = 0, end: int | None = None) -> _BlockHandle:
-        pid = self._block_at[(bucket.index, start)]
+    def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> _BlockHandle:
+        pid = self._block_at[(bucket.index, partition.start)]
         block, segments = self.plan.blocks[pid], self.plan.segments[pid]
         server = self.roles.servers[self.plan.servers[pid]]
         numel = block.end - block.start
@@ -278,97 +262,21 @@ class ParameterServerBackend(Backend):
         buffer = self._push_buffers[pid]
         buffer[:numel].copy_(bucket.flat[block.start:block.end])
         buffer[numel] = self._iteration
-        buffer[numel + 1:] = torch.tensor([self._has_grad[s.slot] for s in segments], dtype=buffer.dtype)
-        values = self._stages[bucket.index].flat[block.start:block.end]
+        buffer[numel + 1:] = torch.tensor([has_grad[s.slot] for s in segments], dtype=buffer.dtype)
+        values = self.stages[bucket.index].flat[block.start:block.end]
         receive = dist.irecv(values, src=server, tag=pull_tag(pid), group=self.group)
         self._push_works[pid] = dist.isend(buffer, dst=server, tag=push_tag(pid), group=self.group)
         return _BlockHandle(self, self._waiters[server].watch(receive), pid, server)
 
-    # ------------------------------------------------------ state and params
-    def fetch_optimizer_state(self) -> None:
-        """Copy the servers' optimizer state into ``optimizer.state`` (torch.optim's format)."""
-        if self.plan is None or self._finished:  # nothing built yet, or released
-            return
-        plan, family_keys = self.plan, STATE_TENSOR_KEYS["sgd" if self.kind == "sgd" else "adam"]
-        gathered: dict[int, dict[str, torch.Tensor]] = {}
-        for index, server in enumerate(self.roles.servers):
-            self._send_command(server, Command.GET_STATE)
-            for pid in plan.blocks_of(index):
-                block, segments = plan.blocks[pid], plan.segments[pid]
-                numel = block.end - block.start
-                message = torch.empty(state_message_length(self.kind, numel, len(segments)),
-                                      dtype=self._stages[block.bucket].dtype)
-                self._receive(message, server, STATE_TAG, f"the optimizer state of block {pid}")
-                for segment, state in zip(segments, unpack_block_state(self.kind, segments, message, numel)):
-                    param = self.params[segment.slot]
-                    target = gathered.setdefault(segment.slot, {})
-                    for key, value in state.items():
-                        if key in family_keys:
-                            full = target.setdefault(key, torch.zeros(param.numel(), dtype=param.dtype))
-                            full[segment.param_start:segment.param_start + segment.numel] = value
-                        else:
-                            target[key] = value
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        for slot, state in gathered.items():
-            param = self.params[slot]
-            if id(param) not in owned:
-                continue
-            if state:
-                self.optimizer.state[param] = {
-                    key: value.view_as(param) if key in family_keys else value for key, value in state.items()
-                }
-            else:
-                self.optimizer.state.pop(param, None)
-
-    def push_optimizer_state(self) -> None:
-        """Send ``optimizer.state`` (just loaded from a checkpoint) to the servers."""
-
-        def message(block: Partition, segments: list[Segment]) -> torch.Tensor:
-            states = []
-            for segment in segments:
-                state = self.optimizer.state.get(self.params[segment.slot])
-                states.append(None if not state else {
-                    key: (value.reshape(-1)[segment.param_start:segment.param_start + segment.numel]
-                          if isinstance(value, torch.Tensor) and value.dim() > 0 else value)
-                    for key, value in state.items()
-                })
-            return pack_block_state(self.kind, segments, states, block.end - block.start,
-                                    self._stages[block.bucket].dtype)
-
-        self._send_every_block(Command.SET_STATE, message, STATE_TAG, "optimizer state")
-
-    @torch.no_grad()
-    def push_parameters(self) -> None:
-        """Send the workers' parameter values (just loaded from a checkpoint) to the servers."""
-
-        def message(block: Partition, segments: list[Segment]) -> torch.Tensor:
-            return torch.cat([self.params[s.slot].detach().reshape(-1)[s.param_start:s.param_start + s.numel]
-                              for s in segments])
-
-        self._send_every_block(Command.SET_PARAMETERS, message, PARAMS_TAG, "values")
-
-    def _send_every_block(
-        self, command: Command, message: Callable[[Partition, list[Segment]], torch.Tensor], tag: int, what: str
-    ) -> None:
-        """``command`` to each server, then one message per block it holds; wait for its acknowledgement."""
-        if self.plan is None or self._finished:  # nothing built yet, or released
-            return
-        plan = self.plan
-        for index, server in enumerate(self.roles.servers):
-            self._send_command(server, command)
-            for pid in plan.blocks_of(index):
-                self._send(message(plan.blocks[pid], plan.segments[pid]), server, tag, f"the {what} of block {pid}")
-            self._receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, f"the acknowledgement of the {what}")
-
     def finish(self) -> None:
         """Tell the servers this worker is done (idempotent; also run at exit)."""
-        if self._finished:
+        if self.finished:
             return
-        self._finished = True
+        self.finished = True
         if self.plan is not None and dist.is_initialized():
             try:
                 for server in self.roles.servers:
-                    self._send_command(server, Command.FINISH)
+                    self.send_command(server, Command.FINISH)
             except CommunicationTimeout:
                 logger.warning("commsched: could not tell every parameter server that rank %d finished",
                                self.roles.rank, exc_info=True)
@@ -384,26 +292,27 @@ class ParameterServerBackend(Backend):
     def forget_process_groups(self) -> None:
         self.group = None  # type: ignore[assignment]
 
-    # ---------------------------------------------------------------- helpers
-    def _send_command(self, server: int, command: Command) -> None:
+    # ---------------------------------------------------------------- messages
+    def send_command(self, server: int, command: Command) -> None:
+        """A header carrying ``command`` (between iterations) to ``server``."""
         self._wait_all(self._header_works, "an iteration header")
         self._header_works = []
         padding = [0.0] * encoded_length(self.kind, len(self.optimizer.param_groups))
         header = make_header(command, self._iteration, False, padding)
-        self._send(header, server, HEADER_TAG, f"a {command.name} command")
+        self.send(header, server, HEADER_TAG, f"a {command.name} command")
 
-    def _send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
         work = dist.isend(tensor, dst=server, tag=tag, group=self.group)
         self._wait_all([work], f"sending {what} to parameter server rank {server}")
 
-    def _receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
+    def receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
         self._wait_all([dist.irecv(tensor, src=server, tag=tag, group=self.group)],
                        f"receiving {what} from parameter server rank {server}")
 
     def _wait_all(self, works: Sequence[dist.Work], what: str) -> None:
         for work in works:
             try:
-                work.wait(timeout=datetime.timedelta(seconds=self.strategy.timeout_s))
+                wait_work(work, self.strategy.timeout_s)
             except RuntimeError as error:
                 self.raise_lost(what, error, self.strategy.timeout_s)
 
@@ -413,8 +322,5 @@ class ParameterServerBackend(Backend):
         cause = f"a peer reported: {note}" if note else (
             "the parameter server or another worker probably died, hung or raised an error; check its log"
         )
-        detail = f" ({error})" if error is not None else ""
-        raise CommunicationTimeout(
-            f"worker rank {self.roles.rank}: {what} failed or did not finish within {timeout_s:g} s{detail}. "
-            f"{cause}. Raise Strategy.timeout_s if this legitimately takes longer."
-        ) from error
+        raise communication_timeout(what, timeout_s, error, who=f"worker rank {self.roles.rank}",
+                                    cause=cause) from error

@@ -1,0 +1,242 @@
+"""`BackwardPass`: everything one synchronised backward pass owns, from its first gradient on.
+
+A pass lives from the first gradient hook of its backward until the next
+synchronised backward begins: under forward overlap its reductions are still
+in flight, and its updates pending, while the next forward pass runs. The next
+pass waits for all of it and the object is dropped; nothing in it is ever
+reset. Per bucket a pass goes: pending gradients -> ready (averaged, issued
+by the `Dispatcher`) -> reduced (its handles waited for) -> updated (once
+``step()`` released the update).
+
+[Note: unused parameters] A parameter may get no gradient in an iteration on
+some ranks or on all. When the transport sums partitions over the replicas,
+each rank writes, per parameter, whether it holds a gradient into a few extra
+elements at the end of the *flags bucket* (the one the next forward needs
+first, whose gradients are ready last anyway); it is issued only at the end of
+the backward pass, when every flag is known. The sum over ranks tells every
+rank which parameters no rank used: those keep ``grad=None`` and are not
+updated, exactly as in single-process training. No extra collective, and no
+``find_unused_parameters`` switch. (A parameter server receives the flags with
+each push instead, and a worker keeps its own ``grad=None``.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commsched.completion import CallbackTracker
+from commsched.dispatch import Dispatcher
+from commsched.events import Observer
+from commsched.layout import GradLayout
+from commsched.scheduler import Partition, Plan
+from commsched.transport.base import Handle, Transport
+from commsched.update.base import Hyperparameters, UpdatePolicy
+
+
+@dataclass
+class IterationFigures:
+    """What one synchronised iteration cost, as this rank saw it."""
+
+    iteration: int
+    partitions_issued: int = 0
+    bytes_issued: int = 0
+    exposed_wait_s: float = 0.0
+    """Time the training thread waited for reductions (end of backward, gates,
+    ``synchronize()``): communication that was not hidden."""
+    update_s: float = 0.0
+    """Time spent updating buckets."""
+
+
+class BackwardPass:
+    """One synchronised iteration's gradients, reductions and updates."""
+
+    def __init__(
+        self,
+        iteration: int,
+        layout: GradLayout,
+        plan: Plan,
+        transport: Transport,
+        policy: UpdatePolicy,
+        events: Observer,
+        tracker: CallbackTracker,
+        timeout_s: float,
+        overlapping: bool,
+    ):
+        self.iteration = iteration
+        self.overlapping = overlapping
+        """Forward overlap is on for this pass: ``step()`` releases the updates to the gates."""
+        self._layout, self._transport, self._policy, self._events = layout, transport, policy, events
+        self._timeout_s = timeout_s
+        num_buckets, num_slots = len(layout.buckets), len(layout.params)
+        self._pending = list(layout.bucket_param_counts)
+        self._ready = [False] * num_slots
+        self.has_grad = [False] * num_slots
+        """Per slot: whether this rank produced (or was given) a gradient in this pass."""
+        self._handles: list[list[Handle]] = [[] for _ in range(num_buckets)]
+        self._launch_versions = [0] * num_buckets
+        self._reduced = [False] * num_buckets
+        self._updated = [False] * num_buckets
+        self.outstanding = num_buckets
+        """Buckets not yet updated (or marked done by a plain ``optimizer.step()``)."""
+        self._unowned_slots: list[int] = []
+        self._globally_unused: frozenset[int] = frozenset()
+        self._flags_settled = False
+        self.hyperparameters: Hyperparameters | None = None
+        """Set by ``step()``: the updates are released, with these hyper-parameters."""
+        self.stepped = False
+        self.grads_final = False
+        """``synchronize()`` ran: gradients are averaged and may be changed before ``step()``."""
+        self.grads_released = False
+        """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
+        self.figures = IterationFigures(iteration)
+        self._dispatcher = Dispatcher(
+            plan, self._launch, tracker, credit_from_completions=plan.credit_bytes is not None and not transport.is_local
+        )
+
+    # ---------------------------------------------------------------- backward
+    def gradient_ready(self, slot: int) -> None:
+        """Parameter ``slot``'s gradient sits in its bucket; a complete bucket goes out."""
+        self._ready[slot] = True
+        self.has_grad[slot] = True
+        bucket = self._layout.bucket_of[slot]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0 and bucket != self._layout.flags_bucket:
+            self._bucket_ready(bucket)
+
+    def end_backward(self) -> None:
+        """The autograd engine is done: settle the parameters that got no gradient, issue the rest."""
+        self._dispatcher.end_backward()
+        if not all(self._ready):
+            self._resolve_unready_parameters()
+        self._bucket_ready(self._layout.flags_bucket)
+        self._dispatcher.issue_remaining()
+
+    def _bucket_ready(self, index: int) -> None:
+        layout = self._layout
+        bucket = layout.buckets[index]
+        self._transport.bucket_ready(bucket)
+        if index == layout.flags_bucket and bucket.tail.numel():
+            bucket.tail.copy_(torch.tensor(self.has_grad, dtype=bucket.dtype))
+        self._launch_versions[index] = bucket.flat._version
+        self._events.bucket_ready(index)
+        self._dispatcher.bucket_ready(index)
+
+    def _launch(self, partition: Partition) -> Handle:
+        """Called by the dispatcher, on the training thread or a communication thread."""
+        bucket = partition.bucket
+        handle = self._transport.launch(partition, self._layout.buckets[bucket], self.has_grad)
+        self._handles[bucket].append(handle)
+        figures = self.figures
+        figures.partitions_issued += 1
+        figures.bytes_issued += partition.nbytes
+        self._events.partition_issued(partition, handle)
+        return handle
+
+    def _resolve_unready_parameters(self) -> None:
+        layout = self._layout
+        for slot, ready in enumerate(self._ready):
+            if ready:
+                continue
+            param, view = layout.params[slot], layout.views[slot]
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+                self._unowned_slots.append(slot)
+            elif grad is not view:
+                view.copy_(grad)
+                param.grad = view
+            self.has_grad[slot] = grad is not None
+            self._ready[slot] = True
+            bucket = layout.bucket_of[slot]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0 and bucket != layout.flags_bucket:
+                self._bucket_ready(bucket)
+
+    # -------------------------------------------------------------- completion
+    def complete_buckets(self, buckets: Sequence[int]) -> None:
+        """Wait for these buckets' reductions; update those ``step()`` released."""
+        for bucket in buckets:
+            if not self._updated[bucket]:
+                self._complete_bucket(bucket)
+
+    def complete_all(self) -> None:
+        for bucket in range(len(self._layout.buckets)):
+            self._complete_bucket(bucket)
+
+    def _complete_bucket(self, bucket: int) -> None:
+        if not self._reduced[bucket]:
+            self._wait_reduced(bucket)
+        if not self._flags_settled and (bucket == self._layout.flags_bucket or self._unowned_slots):
+            self._settle_flags()
+        if self.hyperparameters is not None and not self._updated[bucket]:
+            started = time.perf_counter()
+            self._policy.update(bucket, self.hyperparameters, self._globally_unused)
+            finished = time.perf_counter()
+            self.figures.update_s += finished - started
+            self._events.bucket_updated(bucket, started, finished)
+            self._updated[bucket] = True
+            self.outstanding -= 1
+
+    def _wait_reduced(self, bucket: int) -> None:
+        started = time.perf_counter()
+        for handle in self._handles[bucket]:
+            handle.wait(self._timeout_s)
+        self._reduced[bucket] = True
+        finished = time.perf_counter()
+        self.figures.exposed_wait_s += finished - started
+        self._events.reduction_waited(bucket, started, finished)
+
+    def _settle_flags(self) -> None:
+        """Read which parameters some rank used; see [Note: unused parameters]."""
+        layout = self._layout
+        flags = layout.flags_bucket
+        if not self._reduced[flags]:
+            self._wait_reduced(flags)
+        self._flags_settled = True
+        if not self._unowned_slots:
+            return
+        tail = layout.buckets[flags].tail
+        if not tail.numel():
+            # The servers were told with each push; this rank keeps its own grad=None.
+            self._unowned_slots = []
+            return
+        used_by_some_rank = tail.tolist()
+        unused = []
+        for slot in self._unowned_slots:
+            if used_by_some_rank[slot] == 0:
+                unused.append(slot)
+            elif not self.grads_released:
+                layout.params[slot].grad = layout.views[slot]
+        self._globally_unused = frozenset(unused)
+        self._unowned_slots = []
+
+    # -------------------------------------------------------------------- step
+    def release_updates(self, hyperparameters: Hyperparameters) -> None:
+        """``step()``: each bucket is updated once reduced (now, or at its gate)."""
+        self.hyperparameters = hyperparameters
+
+    def redo_updates(self) -> None:
+        """A second ``step()`` on the same gradients: every bucket is updated again."""
+        self.hyperparameters = None
+        self._updated = [False] * len(self._layout.buckets)
+        self.outstanding = len(self._layout.buckets)
+
+    def mark_updated(self) -> None:
+        """The optimizer stepped every parameter itself (after every reduction)."""
+        self._updated = [True] * len(self._layout.buckets)
+        self.outstanding = 0
+
+    def gradients_changed(self) -> bool:
+        """True if a bucket's gradients were changed in place after it was issued."""
+        return any(
+            bucket.flat._version != version
+            for bucket, version in zip(self._layout.buckets, self._launch_versions, strict=True)
+        )
+
+    def drop_handles(self) -> None:
+        """At exit: let go of every operation in flight (see [Note: process groups at exit])."""
+        self._handles = [[] for _ in self._handles]

@@ -1,0 +1,89 @@
+"""The dispatcher: from "this bucket is ready" to partitions on the wire, in the agreed order.
+
+One `Dispatcher` per backward pass wraps that pass's `PlanExecutor`. Partitions
+are issued by the training thread (gradient hooks) and, when a partition
+completes and returns credit, by a communication thread: one at a time, under
+a lock, always in plan order. Without the completion path, credit would only
+come back at the next gradient hook, and the link would idle through a long
+layer's backward computation.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from commsched.completion import CallbackTracker
+from commsched.scheduler import Partition, Plan, PlanExecutor
+from commsched.transport.base import Handle
+
+
+class Dispatcher:
+    """Issues one backward pass's partitions: in plan order, when ready, within credit."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        launch: Callable[[Partition], Handle],
+        tracker: CallbackTracker,
+        credit_from_completions: bool,
+    ):
+        self._executor = PlanExecutor(plan)
+        self._launch = launch
+        self._tracker = tracker
+        self._credit_from_completions = credit_from_completions
+        self._lock = threading.Lock()
+        self._issuing_thread: int | None = None
+        self._error: Exception | None = None
+        self._backward_running = True
+
+    def bucket_ready(self, bucket: int) -> None:
+        with self._issuing():
+            self._executor.mark_ready(bucket)
+            self._executor.pump(self._issue, _is_completed)
+
+    def end_backward(self) -> None:
+        """The backward pass is over: completions no longer issue (everything left goes now)."""
+        self._backward_running = False
+
+    def issue_remaining(self) -> None:
+        """Issue every partition left, whatever the window; raise what a completion thread hit."""
+        with self._issuing():
+            self._executor.pump(self._issue, _is_completed, ignore_credit=True)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        assert self._executor.done, "every partition must be issued by the end of backward"
+
+    def _issue(self, partition: Partition) -> Handle:
+        handle = self._launch(partition)
+        if self._credit_from_completions:
+            self._tracker.when_complete(handle, self._on_partition_complete)
+        return handle
+
+    def _on_partition_complete(self) -> None:
+        """Runs on a communication thread: returned credit may let the next partition go."""
+        if not self._backward_running or self._issuing_thread == threading.get_ident():
+            # Everything is issued at the end of backward anyway; or the partition
+            # completed before its callback was attached, inside our own pump.
+            return
+        with self._issuing():
+            try:
+                if self._backward_running:
+                    self._executor.pump(self._issue, _is_completed)
+            except Exception as error:  # noqa: BLE001 - surfaced on the training thread
+                self._error = error
+
+    @contextmanager
+    def _issuing(self) -> Iterator[None]:
+        with self._lock:
+            self._issuing_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._issuing_thread = None
+
+
+def _is_completed(handle: Handle) -> bool:
+    return handle.is_completed()

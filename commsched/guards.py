@@ -1,0 +1,108 @@
+"""Misuse that would make training silently wrong, turned into errors that say what to do.
+
+[Note: gradients the user touches] With forward overlap, reductions may still
+be in flight when ``backward()`` returns, so a gradient changed in place before
+``step()`` (clipping, AMP unscaling) would race with them. The first
+`WARMUP_ITERATIONS` run without overlap and compare the version counters of
+the gradient buffers at ``step()`` with those at issue: a loop that changes
+gradients keeps running without overlap (logged once). A change seen later,
+with reductions in flight, stops training with `gradients_touched_error`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRADIENTS_CHANGED_REASON = (
+    "gradients are modified between backward() and step() (clip_grad_norm_, GradScaler.unscale_, ...), "
+    "which needs every reduction finished first"
+)
+
+BACKWARD_UNFINISHED = (
+    "the previous backward pass did not finish (it raised an exception), so some gradient reductions never "
+    "ran and the ranks are out of step. Restart training from a checkpoint."
+)
+
+
+def gradients_touched_error() -> RuntimeError:
+    return RuntimeError(
+        "gradients were modified between backward() and step() while their reductions were "
+        "still in flight (Strategy.overlap_forward=True), so this step would be wrong. Call "
+        "optimizer.synchronize() before changing gradients (clip_grad_norm_, GradScaler."
+        "unscale_), or use Strategy(overlap_forward=False)."
+    )
+
+
+def synchronize_during_backward_error() -> RuntimeError:
+    return RuntimeError("synchronize() was called during a backward pass; call it after backward() returns")
+
+
+def check_gradient_kind(name: str, grad: torch.Tensor) -> None:
+    """Only dense, first-order gradients can be reduced."""
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"parameter '{name}' received a sparse gradient; commsched reduces "
+            "dense gradients only. Use nn.Embedding(..., sparse=False)."
+        )
+    if grad.requires_grad:
+        raise RuntimeError(
+            f"parameter '{name}' received a gradient that requires grad "
+            "(backward(create_graph=True)); higher-order gradients cannot be reduced. "
+            "Compute them with torch.autograd.grad on an unprepared copy of the model."
+        )
+
+
+class ParameterFingerprint:
+    """The module tree and its trainable parameters as they were at ``prepare()``.
+
+    Buckets are built for those parameters only: a parameter added, removed,
+    replaced, frozen or resized afterwards would silently be left out or
+    mis-reduced, so each forward pass checks the cheap fingerprint and, on a
+    change, explains it by name.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        self._root = root
+        self._modules = list(root.modules())
+        self._fingerprint = self._take()
+        self._described = self._describe()
+
+    def check(self) -> None:
+        if self._take() != self._fingerprint:
+            raise RuntimeError(self._explain())
+
+    def _take(self) -> list[object]:
+        fingerprint: list[object] = []
+        for module in self._modules:
+            fingerprint.extend(map(id, module._modules.values()))
+            for param in module._parameters.values():
+                if param is None:
+                    fingerprint.append(None)
+                else:
+                    fingerprint.append((id(param), param.requires_grad, param.shape))
+        return fingerprint
+
+    def _describe(self) -> dict[str, tuple[int, bool, tuple[int, ...]]]:
+        return {name: (id(p), p.requires_grad, tuple(p.shape)) for name, p in self._root.named_parameters()}
+
+    def _explain(self) -> str:
+        before, now = self._described, self._describe()
+        changes = [f"'{n}' was added" for n in now if n not in before]
+        changes += [f"'{n}' was removed" for n in before if n not in now]
+        for name in before.keys() & now.keys():
+            (old_id, old_grad, old_shape), (new_id, new_grad, new_shape) = before[name], now[name]
+            if old_id != new_id:
+                changes.append(f"'{name}' was replaced by a new Parameter")
+            elif old_grad != new_grad:
+                changes.append(f"'{name}' changed requires_grad from {old_grad} to {new_grad}")
+            elif old_shape != new_shape:
+                changes.append(f"'{name}' changed shape from {old_shape} to {new_shape}")
+        if not changes:
+            changes.append("a submodule was added, removed or replaced")
+        return (
+            "the model's parameters changed after commsched.prepare(): "
+            + "; ".join(sorted(changes))
+            + ". Gradient buckets are built once, at prepare(); make every change "
+            "(adding, removing, replacing, freezing or resizing parameters) before "
+            "calling commsched.prepare()."
+        )

@@ -1,0 +1,113 @@
+"""`GradLayout`: where every gradient lives and travels, fixed once the forward order is agreed.
+
+Built once per prepared model, at ``prepare()`` without priority and after the
+first forward pass with it (the order parameters are used in must be seen
+first); nothing in it changes afterwards. Per-iteration state lives in
+`commsched.backward_pass.BackwardPass`; the issue order in
+`commsched.scheduler.Plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commsched.buckets import Bucket, bucket_layout
+from commsched.scheduler import Partition
+
+CutPartitions = Callable[
+    [Sequence[int], Sequence[Sequence[int]], Sequence[int], Sequence[Bucket]], list[Partition]
+]
+"""(forward order, bucket slots, priorities, buckets) -> partitions: the transport's ``attach``."""
+
+
+@dataclass(frozen=True, eq=False)
+class GradLayout:
+    """Buckets, slots, partitions and gates of one prepared model."""
+
+    names: tuple[str, ...]
+    """Each trainable parameter's name, by slot (its index among them)."""
+    params: tuple[torch.nn.Parameter, ...]
+    forward_order: tuple[int, ...]
+    """Slots in the order the first forward pass used them, as rank 0 saw it."""
+    buckets: tuple[Bucket, ...]
+    """In the order their gradients are produced (reverse forward order)."""
+    bucket_slots: tuple[tuple[int, ...], ...]
+    priorities: tuple[int, ...]
+    """Per bucket: the forward position of its earliest parameter (lower is more urgent)."""
+    bucket_of: tuple[int, ...]
+    """Per slot: its bucket."""
+    views: tuple[torch.Tensor, ...]
+    """Per slot: its gradient, a view into its bucket's flat buffer."""
+    flags_bucket: int
+    """The bucket holding the first parameter of the forward pass: issued last, at the end
+    of backward, and carrying the usage flags (see [Note: unused parameters])."""
+    partitions: tuple[Partition, ...]
+    gated_modules: tuple[tuple[torch.nn.Module, tuple[int, ...]], ...]
+    """Each module (but the root) that owns parameters, with the buckets they live in."""
+    root_buckets: tuple[int, ...]
+    """Buckets the root must wait for before its forward: its own parameters', and those
+    used before their module runs (``F.linear(x, self.head.weight)``)."""
+
+    @property
+    def bucket_param_counts(self) -> tuple[int, ...]:
+        return tuple(len(slots) for slots in self.bucket_slots)
+
+
+def build_layout(
+    root: torch.nn.Module,
+    names: Sequence[str],
+    params: Sequence[torch.nn.Parameter],
+    forward_order: Sequence[int],
+    used_before_owner: set[int],
+    bucket_size_limits: Sequence[int],
+    usage_flags: bool,
+    cut: CutPartitions,
+) -> GradLayout:
+    """Buckets in reverse forward order, their flat buffers and partitions, and the gates.
+
+    Gradients that exist already move into their buckets. ``usage_flags``: give
+    the flags bucket one extra element per parameter.
+    """
+    bucket_slots, priorities = bucket_layout(params, forward_order, bucket_size_limits)
+    flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
+    buckets = [
+        Bucket(b, [params[s] for s in slots], tail_numel=len(params) if usage_flags and b == flags_bucket else 0)
+        for b, slots in enumerate(bucket_slots)
+    ]
+    views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    bucket_of = [0] * len(params)
+    for bucket, slots in zip(buckets, bucket_slots, strict=True):
+        for slot, view in zip(slots, bucket.grad_views, strict=True):
+            views[slot] = view
+            bucket_of[slot] = bucket.index
+            grad = params[slot].grad
+            if grad is not None:
+                view.copy_(grad)
+                params[slot].grad = view
+    partitions = cut(forward_order, bucket_slots, priorities, buckets)
+    gated, root_slots = _gates(root, params, bucket_of, used_before_owner)
+    return GradLayout(
+        names=tuple(names), params=tuple(params), forward_order=tuple(forward_order), buckets=tuple(buckets),
+        bucket_slots=tuple(map(tuple, bucket_slots)), priorities=tuple(priorities), bucket_of=tuple(bucket_of),
+        views=tuple(views), flags_bucket=flags_bucket, partitions=tuple(partitions), gated_modules=gated,
+        root_buckets=tuple(sorted({bucket_of[s] for s in root_slots})),
+    )
+
+
+def _gates(
+    root: torch.nn.Module, params: Sequence[torch.nn.Parameter], bucket_of: Sequence[int], used_before_owner: set[int]
+) -> tuple[tuple[tuple[torch.nn.Module, tuple[int, ...]], ...], set[int]]:
+    """Per module, the buckets of the parameters it owns; and the slots the root waits for."""
+    slot_of = {id(p): s for s, p in enumerate(params)}
+    gated = []
+    root_slots = set(used_before_owner)
+    for module in root.modules():
+        slots = {slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of}
+        if slots and module is not root:
+            gated.append((module, tuple(sorted({bucket_of[s] for s in slots}))))
+        elif slots:
+            root_slots |= slots
+    return tuple(gated), root_slots

@@ -1,0 +1,58 @@
+"""Joining a parameter-server job: split the world into workers and servers, build each side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.server import ParameterServer
+from commsched.strategy import ParameterServer as ParameterServerConfig
+from commsched.strategy import Strategy
+from commsched.transport.ps import ParameterServerTransport
+from commsched.update.server_side import ServerSideUpdate
+
+
+@dataclass(frozen=True)
+class WorkerSide:
+    """What a worker's reducer runs on."""
+
+    transport: ParameterServerTransport
+    policy: ServerSideUpdate
+    worker_group: dist.ProcessGroup
+    """The workers only: order and plan agreements."""
+    buffer_group: dist.ProcessGroup | None
+
+
+_jobs_started = 0
+"""Parameter-server jobs started by this process (every rank counts the same)."""
+
+
+def join_parameter_server_job(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy
+) -> WorkerSide | ParameterServer:
+    """A worker's transport and update policy, or this rank's server.
+
+    Collective over the default group (every rank, servers included, creates
+    every group). `commsched.prepare` serves on a server rank; code that runs
+    several parameter-server jobs at once (the benchmark) runs each
+    `ParameterServer.serve` on a thread of its own.
+    """
+    global _jobs_started
+    config = strategy.backend
+    assert isinstance(config, ParameterServerConfig)
+    roles = PSRoles.of_world(config.num_servers)
+    worker_group = dist.new_group(roles.workers)
+    buffer_group = None
+    if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
+        buffer_group = dist.new_group(roles.workers)
+    transport_group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    _jobs_started += 1
+    board = FailureBoard(f"commsched/ps/{_jobs_started}")
+    if roles.is_server:
+        return ParameterServer(model, optimizer, strategy, roles, transport_group, board)
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+    transport = ParameterServerTransport(strategy, roles, transport_group, optimizer, params, board)
+    return WorkerSide(transport, ServerSideUpdate(transport), worker_group, buffer_group)

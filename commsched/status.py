@@ -1,0 +1,105 @@
+"""`commsched.status(model)`: what commsched decided for a prepared model, and why.
+
+A snapshot (plain frozen dataclasses) of the layout, the lifecycle, whether
+forward overlap is on and why not, and the figures of the latest iterations.
+Reading it has no side effect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commsched.backward_pass import IterationFigures
+from commsched.lifecycle import Lifecycle
+from commsched.reducer import GradientReducer
+
+
+@dataclass(frozen=True)
+class BucketStatus:
+    index: int
+    """Buckets are numbered in the order their gradients are produced."""
+    parameters: tuple[str, ...]
+    nbytes: int
+    dtype: str
+    priority: int
+    """The forward position of its earliest parameter (lower is more urgent)."""
+    partitions: int
+
+
+@dataclass(frozen=True)
+class Status:
+    lifecycle: Lifecycle
+    iterations: int
+    """Synchronised backward passes begun so far."""
+    overlap_off_reason: str | None
+    """Why forward overlap is off (None: it is on, or will be after warm-up)."""
+    plan: str
+    """Which issue order the partitions follow."""
+    transport: str
+    buckets: tuple[BucketStatus, ...]
+    flags_bucket: int | None
+    """The bucket carrying the used-parameter flags: the one the forward pass needs first."""
+    partitions: int
+    server_bytes: tuple[int, ...]
+    """With parameter servers: bytes of blocks each server holds."""
+    current_iteration: IterationFigures | None
+    """The latest synchronised iteration so far (waits still to come in gates are not in it yet)."""
+    previous_iteration: IterationFigures | None
+    """The one before it, complete."""
+
+    @property
+    def overlapping(self) -> bool:
+        """Forward overlap is on: ``step()`` returns at once, modules wait at their gates."""
+        return self.lifecycle is Lifecycle.OVERLAPPING
+
+    def describe(self) -> str:
+        """A few lines for a log."""
+        overlap = "on" if self.overlapping else f"off ({self.overlap_off_reason or 'until warm-up ends'})"
+        lines = [
+            f"commsched: {self.lifecycle.value}, {self.iterations} iterations, {self.transport}",
+            f"  {len(self.buckets)} buckets, {self.partitions} partitions, "
+            f"{sum(b.nbytes for b in self.buckets) / 2**20:.2f} MiB; plan: {self.plan}",
+            f"  forward overlap: {overlap}",
+        ]
+        for label, figures in (("previous", self.previous_iteration), ("current", self.current_iteration)):
+            if figures is not None:
+                lines.append(
+                    f"  {label} iteration {figures.iteration}: {figures.partitions_issued} partitions, "
+                    f"{figures.bytes_issued / 2**20:.2f} MiB issued, waited {figures.exposed_wait_s * 1e3:.1f} ms "
+                    f"for reductions, updates {figures.update_s * 1e3:.1f} ms"
+                )
+        return "\n".join(lines)
+
+
+def reducer_status(reducer: GradientReducer) -> Status:
+    layout, plan, current = reducer.layout, reducer.plan, reducer.current
+    buckets: tuple[BucketStatus, ...] = ()
+    if layout is not None:
+        counts = [0] * len(layout.buckets)
+        for partition in layout.partitions:
+            counts[partition.bucket] += 1
+        buckets = tuple(
+            BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, str(b.dtype).removeprefix("torch."),
+                         priority, count)
+            for b, slots, priority, count in zip(layout.buckets, layout.bucket_slots, layout.priorities, counts,
+                                                 strict=True)
+        )
+    if plan is None:
+        plan_text = "none yet (the first forward pass records the order)"
+    elif plan.agreed:
+        plan_text = "rank 0's plan, agreed after warm-up (forward order first, credit window)"
+    else:
+        plan_text = "buckets in the order their gradients are ready (torch DDP's)"
+    return Status(
+        lifecycle=reducer.lifecycle,
+        iterations=0 if current is None else current.iteration + 1,
+        overlap_off_reason=reducer.overlap_off_reason,
+        plan=plan_text,
+        transport=reducer.transport.describe(),
+        buckets=buckets,
+        flags_bucket=None if layout is None else layout.flags_bucket,
+        partitions=0 if layout is None else len(layout.partitions),
+        server_bytes=reducer.transport.server_bytes(),
+        current_iteration=None if current is None else IterationFigures(**vars(current.figures)),
+        previous_iteration=reducer.previous_figures,
+    )

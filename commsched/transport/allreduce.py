@@ -1,0 +1,95 @@
+"""All-reduce transport: each partition is averaged over the process group in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from commsched.buckets import Bucket
+from commsched.errors import CommunicationTimeout, wait_or_raise
+from commsched.scheduler import Partition, make_partitions
+from commsched.transport.base import COMPLETED, Handle
+
+
+class _WorkHandle:
+    """A torch.distributed ``Work`` whose failure or timeout becomes a clear error."""
+
+    __slots__ = ("_work", "_bucket", "_start", "_end")
+
+    def __init__(self, work: dist.Work, bucket: Bucket, start: int, end: int):
+        self._work = work
+        self._bucket = bucket  # keeps the buffer alive while the work runs
+        self._start, self._end = start, end
+
+    def wait(self, timeout_s: float) -> None:
+        bucket = self._bucket
+        wait_or_raise(
+            self._work, timeout_s,
+            f"the all-reduce of gradient bucket {bucket.index} (elements {self._start}:{self._end} "
+            f"of {bucket.flat.numel()}, {bucket.nbytes} bytes in all)",
+        )
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._work.get_future().add_done_callback(lambda future: callback())
+
+
+class AllReduceTransport:
+    """Averages gradients: each bucket is divided by the world size, then summed with
+    ``all_reduce(async_op=True)``, partition by partition, on zero-copy slices."""
+
+    sums_usage_flags = True
+
+    def __init__(self, process_group: dist.ProcessGroup, partition_bytes: int | None):
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.is_local = self.world_size == 1
+        self._partition_bytes = partition_bytes
+        self._backend_name = str(dist.get_backend(process_group))
+
+    def attach(
+        self,
+        forward_order: Sequence[int],
+        bucket_slots: Sequence[Sequence[int]],
+        priorities: Sequence[int],
+        buckets: Sequence[Bucket],
+    ) -> list[Partition]:
+        return make_partitions(
+            [b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
+            priorities, self._partition_bytes,
+        )
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        if self.world_size > 1:
+            bucket.flat[: bucket.grad_numel].div_(self.world_size)
+
+    def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
+        return None
+
+    def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
+        if self.is_local:
+            return COMPLETED
+        start, end = partition.start, partition.end
+        work = dist.all_reduce(bucket.flat[start:end], group=self.process_group, async_op=True)
+        return _WorkHandle(work, bucket, start, end)
+
+    def explain_failure(self, error: CommunicationTimeout) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"all-reduce over {self.world_size} rank{'s' if self.world_size > 1 else ''} ({self._backend_name})"
+
+    def layout_summary(self) -> str | None:
+        return None
+
+    def server_bytes(self) -> tuple[int, ...]:
+        return ()
+
+    def finish(self) -> None:
+        return None
+
+    def forget_process_groups(self) -> None:
+        self.process_group = None  # type: ignore[assignment]

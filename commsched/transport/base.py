@@ -1,0 +1,99 @@
+"""What a transport is: it puts one partition of a bucket on the wire and hands back a `Handle`.
+
+The reducer decides *which* partition goes *when*; a transport decides what
+that means on the wire (an all-reduce among the replicas; a push to a
+parameter server and the pull of its answer; later reduce-scatter/all-gather
+or a codec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from commsched.buckets import Bucket
+from commsched.errors import CommunicationTimeout
+from commsched.scheduler import Partition
+
+
+class Handle(Protocol):
+    """An operation in flight. It keeps its buffers alive until waited on."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise `CommunicationTimeout` after ``timeout_s``."""
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished (without blocking)."""
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread) once the operation has finished."""
+
+
+class CompletedHandle:
+    """A handle for work that needed no communication (a single replica)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        callback()
+
+
+COMPLETED = CompletedHandle()
+
+
+class Transport(Protocol):
+    """Moves partitions of gradient buckets; built by `commsched.prepare` for its backend."""
+
+    world_size: int
+    """The number of data-parallel replicas (ranks that compute gradients)."""
+
+    is_local: bool
+    """True when nothing goes on the wire (a single replica)."""
+
+    sums_usage_flags: bool
+    """True when a partition arrives summed over the replicas, so per-parameter
+    "has a gradient" flags can ride in the tail of the flags bucket
+    (see [Note: unused parameters] in `commsched.backward_pass`)."""
+
+    def attach(
+        self,
+        forward_order: Sequence[int],
+        bucket_slots: Sequence[Sequence[int]],
+        priorities: Sequence[int],
+        buckets: Sequence[Bucket],
+    ) -> list[Partition]:
+        """The buckets exist: cut them into partitions (the units on the wire) and get ready."""
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` is final for this iteration: prepare it for the wire."""
+
+    def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
+        """A synchronised backward pass starts (``new_plan``: the issue order just agreed, if it changed)."""
+
+    def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
+        """Start communicating ``partition`` of ``bucket``; return at once.
+
+        ``has_grad[slot]``: whether this rank holds a gradient for that parameter.
+        """
+
+    def explain_failure(self, error: CommunicationTimeout) -> None:
+        """A collective among the replicas failed: raise a more precise error if one is known."""
+
+    def describe(self) -> str:
+        """One line for logs and `commsched.status`: what goes where."""
+
+    def layout_summary(self) -> str | None:
+        """Where the partitions go, for the trace (None: nothing beyond `describe`)."""
+
+    def server_bytes(self) -> tuple[int, ...]:
+        """Bytes of partitions each server holds (empty without servers)."""
+
+    def finish(self) -> None:
+        """No more iterations: release peers waiting for this rank (idempotent)."""
+
+    def forget_process_groups(self) -> None:
+        """At exit, after `finish`: drop references to process groups (see [Note: process groups at exit])."""

@@ -1,0 +1,48 @@
+"""What an update policy is: where the optimizer runs, and how a bucket gets its new values."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from commsched.backward_pass import BackwardPass
+    from commsched.layout import GradLayout
+
+Hyperparameters = list[dict[str, object]]
+"""Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
+
+
+class UpdatePolicy(Protocol):
+    """Built by `commsched.prepare` for its backend, beside the transport."""
+
+    overlap_blocker: str | None
+    """Why forward overlap is impossible with this optimizer, or None."""
+
+    def attach(self, layout: GradLayout) -> None:
+        """The buckets exist: prepare the per-bucket update (if any)."""
+
+    @property
+    def per_bucket(self) -> bool:
+        """True once buckets are updated one by one; False: the optimizer's own
+        ``step()`` runs after every reduction has completed."""
+
+    def snapshot(self) -> Hyperparameters:
+        """The hyper-parameters to update with, read at ``step()``."""
+
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
+        """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient)."""
+
+    def before_backward(self, previous: BackwardPass | None) -> None:
+        """A synchronised backward pass is about to begin; ``previous`` is the last one."""
+
+    def check_step(self, current: BackwardPass, gradients_changed: bool) -> None:
+        """At ``step()``: raise if this step cannot give the right parameters."""
+
+    def fetch_optimizer_state(self) -> None:
+        """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""
+
+    def push_optimizer_state(self) -> None:
+        """After ``optimizer.load_state_dict()``: send the loaded state where it is used."""
+
+    def push_parameters(self) -> None:
+        """After ``model.load_state_dict()``: send the loaded values where they are kept."""

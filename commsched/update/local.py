@@ -1,0 +1,66 @@
+"""The optimizer runs on every rank, over averaged gradients: bucket by bucket where it can."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from commsched.strategy import Strategy
+from commsched.update.base import Hyperparameters
+from commsched.update.fused import BucketUpdater
+from commsched.update.kinds import unsupported_reason
+
+if TYPE_CHECKING:
+    from commsched.backward_pass import BackwardPass
+    from commsched.layout import GradLayout
+
+
+class LocalUpdate:
+    """The all-reduce backend's update: torch's SGD/Adam/AdamW kernels per bucket, as each
+    bucket's reduction completes; any other optimizer steps as usual once every
+    reduction is done (and forward overlap is off)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, strategy: Strategy):
+        self._optimizer = optimizer
+        self._fused = strategy.fuse_optimizer
+        wants_per_bucket = strategy.fuse_optimizer or strategy.overlap_forward
+        self.overlap_blocker: str | None = None
+        if optimizer is not None and wants_per_bucket:
+            self.overlap_blocker = unsupported_reason(optimizer)
+        elif optimizer is None and strategy.overlap_forward:
+            self.overlap_blocker = "no optimizer was given to prepare()"
+        self._wants_per_bucket = optimizer is not None and wants_per_bucket and self.overlap_blocker is None
+        self._updater: BucketUpdater | None = None
+
+    def attach(self, layout: GradLayout) -> None:
+        if self._wants_per_bucket:
+            self._updater = BucketUpdater(
+                self._optimizer, [b.params for b in layout.buckets], [b.grad_views for b in layout.buckets],
+                layout.bucket_slots, fused=self._fused,
+            )
+
+    @property
+    def per_bucket(self) -> bool:
+        return self._updater is not None
+
+    def snapshot(self) -> Hyperparameters:
+        return self._updater.snapshot()
+
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
+        self._updater.update(bucket, hyperparameters, skip_slots)
+
+    def before_backward(self, previous: BackwardPass | None) -> None:
+        """Two backward passes before one step accumulate, as in single-process training."""
+
+    def check_step(self, current: BackwardPass, gradients_changed: bool) -> None:
+        """Changed gradients are averaged gradients changed here: the forward-overlap guard decides."""
+
+    def fetch_optimizer_state(self) -> None:
+        """The state is the user's optimizer's own."""
+
+    def push_optimizer_state(self) -> None:
+        """The state is the user's optimizer's own."""
+
+    def push_parameters(self) -> None:
+        """The parameters are the model's own."""
