@@ -12,7 +12,7 @@ Both are recorded once, during the first forward pass that records gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,29 @@ class ForwardRecorder:
                     order.append(slot)
         order.extend(slot for slot in range(len(params)) if slot not in placed)
         return order
+
+
+class FirstForward:
+    """Records one forward pass and hands what it saw to ``done(order, used_before_owner)``.
+
+    Started from the root's forward pre-hook; ``done`` runs when that forward
+    returns, or raises (then with whatever was seen).
+    """
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        params: Sequence[torch.nn.Parameter],
+        done: Callable[[list[int], set[int]], None],
+    ):
+        self._params, self._done = params, done
+        self._recorder = ForwardRecorder(root, params)
+        self._handle = root.register_forward_hook(self._after, always_call=True)
+
+    def _after(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self._handle.remove()
+        self._recorder.finish()
+        self._done(self._recorder.parameter_order(self._params), self._recorder.used_before_owner)
 
 
 def agree_on_order(order: list[int], group: dist.ProcessGroup, timeout_s: float) -> list[int]:

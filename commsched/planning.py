@@ -17,7 +17,7 @@ import torch.distributed as dist
 from commsched.errors import wait_or_raise
 from commsched.events import Observer
 from commsched.lifecycle import WARMUP_ITERATIONS
-from commsched.scheduler import LinkModel, Partition, robust_plan, simulate_schedule
+from commsched.scheduler import LinkModel, Partition, Plan, robust_plan, simulate_schedule
 from commsched.transport.base import Handle
 
 LINK_SAFETY_FACTOR = 0.8
@@ -102,7 +102,7 @@ def plan_on_rank0(
     credit_bytes: int | None,
     group: dist.ProcessGroup,
     timeout_s: float,
-) -> list[int]:
+) -> Plan:
     """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan.
 
     Collective: every rank calls it at the same point; a peer that does not
@@ -120,4 +120,4 @@ def plan_on_rank0(
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
-    return plan.tolist()
+    return Plan(tuple(partitions), tuple(plan.tolist()), credit_bytes, agreed=True)

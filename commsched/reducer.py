@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
@@ -38,7 +37,7 @@ from commsched.guards import (
 )
 from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
-from commsched.order import ForwardRecorder, agree_on_order
+from commsched.order import FirstForward, agree_on_order
 from commsched.planning import ReadyTimeProfile, plan_on_rank0
 from commsched.scheduler import Plan, fifo_plan
 from commsched.strategy import Strategy
@@ -87,11 +86,10 @@ class GradientReducer:
         self._events = EventBus()
         self._tracker = CallbackTracker()
         self._profile: ReadyTimeProfile | None = None
-        self._recorder: ForwardRecorder | None = None
+        self._first_forward: FirstForward | None = None
         self._gates: ForwardGates | None = None
         self._fingerprint = ParameterFingerprint(module)
         self._modules = list(module.modules())
-        self._after_first_forward_hook: RemovableHandle | None = None
         if strategy.trace_dir is not None:
             self._events.subscribe(
                 Tracer(strategy.trace_dir, dist.get_rank(process_group), module, self._params, self._tracker)
@@ -138,17 +136,13 @@ class GradientReducer:
         if self._profile is not None:
             started = time.perf_counter()
             with self._peer_failures_explained():
-                new_order = tuple(plan_on_rank0(
-                    self.layout.partitions, self._profile, self.strategy.credit_bytes, self.process_group,
-                    self.strategy.timeout_s,
-                ))
-            self.plan = Plan(self.layout.partitions, new_order, self.strategy.credit_bytes, agreed=True)
+                self.plan = plan_on_rank0(self.layout.partitions, self._profile, self.strategy.credit_bytes,
+                                          self.process_group, self.strategy.timeout_s)
             self._events.unsubscribe(self._profile)
             self._profile = None
-            logger.info(
-                "commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
-                len(new_order), len(self.layout.buckets), (time.perf_counter() - started) * 1e3,
-            )
+            new_order = self.plan.order
+            logger.info("commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
+                        len(new_order), len(self.layout.buckets), (time.perf_counter() - started) * 1e3)
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
         return new_order
 
@@ -223,20 +217,14 @@ class GradientReducer:
             buffers = [b for m in self._modules for b in m._buffers.values() if b is not None]
             if buffers:
                 broadcast_from_rank0(buffers, self.buffer_group, self.strategy.timeout_s)
-        if self.layout is None and torch.is_grad_enabled() and self._recorder is None:
-            self._recorder = ForwardRecorder(self.module, self._params)
-            self._after_first_forward_hook = self.module.register_forward_hook(
-                self._after_first_forward, always_call=True
-            )
+        if self.layout is None and torch.is_grad_enabled() and self._first_forward is None:
+            self._first_forward = FirstForward(self.module, self._params, self._after_first_forward)
 
-    def _after_first_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
-        recorder, self._recorder = self._recorder, None
-        self._after_first_forward_hook.remove()
-        recorder.finish()
+    def _after_first_forward(self, order: list[int], used_before_owner: set[int]) -> None:
+        self._first_forward = None
         with self._peer_failures_explained():
-            order = agree_on_order(recorder.parameter_order(self._params), self.process_group,
-                                   self.strategy.timeout_s)
-        self._build(order, recorder.used_before_owner)
+            order = agree_on_order(order, self.process_group, self.strategy.timeout_s)
+        self._build(order, used_before_owner)
 
     def _wait_for_buckets(self, buckets: tuple[int, ...]) -> None:
         """A forward gate: this module's own buckets must be updated first."""

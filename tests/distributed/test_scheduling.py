@@ -358,6 +358,66 @@ def case_forward_order_sets_priority(rank, world_size):
     optimizer.step()
 
 
+def case_status_follows_the_lifecycle(rank, world_size):
+    """status(): recording, then warm-up, then overlapping with rank 0's plan; figures of each iteration."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    with pytest.raises(ValueError, match=r"status\(\) takes a model returned by commsched.prepare\(\)"):
+        commsched.status(model)
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd"](model.parameters()))
+    status = commsched.status(model)
+    assert status.lifecycle is commsched.Lifecycle.RECORDING and not status.buckets and status.iterations == 0
+    assert status.transport == f"all-reduce over {world_size} ranks (gloo)"
+    seen = []
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        status = commsched.status(model)
+        seen.append(status.lifecycle)
+        assert status.iterations == iteration + 1
+        assert status.current_iteration.iteration == iteration
+        assert status.current_iteration.partitions_issued == status.partitions
+        assert status.current_iteration.bytes_issued == sum(b.nbytes for b in status.buckets)
+    W = commsched.Lifecycle
+    assert seen == [W.WARMUP] * WARMUP_ITERATIONS + [W.OVERLAPPING] * (ITERATIONS - WARMUP_ITERATIONS)
+    assert status.overlapping and status.overlap_off_reason is None and "agreed" in status.plan
+    assert status.previous_iteration.iteration == ITERATIONS - 2
+    assert {n for b in status.buckets for n in b.parameters} == {n for n, p in model.named_parameters()}
+    text = status.describe()
+    assert "overlapping" in text and "forward overlap: on" in text and f"iteration {ITERATIONS - 1}" in text
+    optimizer.synchronize()
+    synchronous = commsched.Strategy(overlap_forward=False)
+    model, optimizer, _, _ = prepared_pair(OPTIMIZERS["sgd"], synchronous)
+    for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 1)):
+        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    status = commsched.status(model)
+    assert status.lifecycle is W.SYNCHRONOUS and status.overlap_off_reason == "Strategy(overlap_forward=False)"
+
+
+def case_release_then_train_locally(rank, world_size):
+    """After release(), hooks are gone and step() is the optimizer's own: local training, as plain torch."""
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["adamw"])
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    commsched.release(model)
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.RELEASED
+    plain = copy.deepcopy(reference)  # a plain model holding the released model's values and state
+    plain.load_state_dict(model.state_dict())
+    plain_optimizer = OPTIMIZERS["adamw"](plain.parameters())
+    plain_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # load_state_dict shares tensors
+    generator = torch.Generator().manual_seed(77 + rank)  # each rank its own data: nothing is reduced now
+    for _ in range(2):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        for m, o in ((model, optimizer), (plain, plain_optimizer)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    for (name, a), (_, e) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"parameter '{name}': {m}")
+
+
 def behaviours(rank: int, world_size: int) -> None:
     run_subtests({
         "lr_scheduler": functools.partial(case_lr_scheduler, rank, world_size),
@@ -369,6 +429,8 @@ def behaviours(rank: int, world_size: int) -> None:
         "gradient_change_during_overlap": functools.partial(case_gradient_change_during_overlap_is_an_error, rank, world_size),
         "unsupported_optimizer": functools.partial(case_unsupported_optimizer_still_trains, rank, world_size),
         "forward_order_sets_priority": functools.partial(case_forward_order_sets_priority, rank, world_size),
+        "status_follows_the_lifecycle": functools.partial(case_status_follows_the_lifecycle, rank, world_size),
+        "release_then_train_locally": functools.partial(case_release_then_train_locally, rank, world_size),
     })
 
 
