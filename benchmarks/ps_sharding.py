@@ -19,7 +19,7 @@ import torch
 from commsched.bench.models import WORKLOADS
 from commsched.buckets import bucket_layout
 from commsched.order import ForwardRecorder
-from commsched.sharding import plan_model_sharding
+from commsched.ps.sharding import plan_model_sharding
 from commsched.strategy import ParameterServer, Strategy
 
 MODELS = ("vgg-like", "resnet-like", "transformer-like")

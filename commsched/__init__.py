@@ -4,7 +4,7 @@ Glossary
 --------
 block
     with parameter servers: a row-aligned slice of a bucket, held by one server
-    (`commsched.sharding`); each block is one partition on the wire.
+    (`commsched.ps.sharding`); each block is one partition on the wire.
 bucket
     parameters whose gradients live contiguously in one flat buffer (one dtype
     and device); each ``param.grad`` is a view into it.

@@ -172,7 +172,7 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         synchronised = self._sync_enabled
         if synchronised:
-            self.policy.before_backward(self.current)
+            self.policy.before_backward(self.current is not None and not self.current.stepped)
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
         if self.layout is None:
@@ -286,10 +286,10 @@ class GradientReducer:
         if current is None:
             return
         changed = current.gradients_changed()
-        self.policy.check_step(current, changed)
-        current.stepped = True
+        self.policy.check_step(changed)
         if current.overlapping and changed and not current.grads_final:
             raise gradients_touched_error()
+        current.stepped = True
         current.release_updates(self.policy.snapshot())
         if not current.overlapping:
             if self.lifecycle is Lifecycle.WARMUP and changed and self.overlap_off_reason is None:

@@ -1,7 +1,8 @@
-"""The parameter-server backend: roles, wire protocol, worker side and server loop.
+"""The parameter-server backend, both sides: the workers' transport and update policy, the servers.
 
-``Strategy(backend="ps", num_servers=S)``: the last S ranks of the world serve,
-the others train. See docs/parameter_server.md for the protocol and its limits.
+``Strategy(backend=ParameterServer(num_servers=S))``: the last S ranks of the
+world serve, the others train. See docs/parameter_server.md for the protocol
+and its limits.
 """
 
 from commsched.ps.roles import PSRoles, is_server_rank, server_ranks

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from commsched.ps.push_pull import ParameterServerTransport
+from commsched.ps.remote_update import ServerSideUpdate
 from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.server import ParameterServer
 from commsched.strategy import ParameterServer as ParameterServerConfig
 from commsched.strategy import Strategy
-from commsched.transport.ps import ParameterServerTransport
-from commsched.update.server_side import ServerSideUpdate
 
 
 @dataclass(frozen=True)

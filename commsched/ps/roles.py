@@ -21,7 +21,7 @@ def server_ranks(world_size: int, num_servers: int) -> list[int]:
     """
     if not 1 <= num_servers < world_size:
         raise ValueError(
-            f"Strategy(backend='ps', num_servers={num_servers}) needs at least one worker besides "
+            f"Strategy(backend=ParameterServer(num_servers={num_servers})) needs at least one worker besides "
             f"the servers, but the world has {world_size} rank(s); launch at least "
             f"{num_servers + 1} processes or lower num_servers"
         )

@@ -47,9 +47,9 @@ from commsched.ps.protocol import (
     pull_tag, push_tag, state_message_length, trailer_length,
 )
 from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.sharding import ShardingPlan, plan_model_sharding
 from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.scheduler import fifo_plan
-from commsched.sharding import ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
 from commsched.update.fused import BucketUpdater
 from commsched.update.kinds import decode_hyperparameters, encoded_length, optimizer_kind, user_class

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from commsched.ps.protocol import STATE_SCALAR_KEYS, STATE_TENSOR_KEYS, state_message_length
-from commsched.sharding import Segment
+from commsched.ps.sharding import Segment
 
 
 def _family(kind: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from commsched.backward_pass import BackwardPass
     from commsched.layout import GradLayout
 
 Hyperparameters = list[dict[str, object]]
@@ -32,11 +31,13 @@ class UpdatePolicy(Protocol):
     def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
         """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient)."""
 
-    def before_backward(self, previous: BackwardPass | None) -> None:
-        """A synchronised backward pass is about to begin; ``previous`` is the last one."""
+    def before_backward(self, unstepped_backward: bool) -> None:
+        """A synchronised backward pass is about to begin (``unstepped_backward``: the one
+        before it had no ``step()``)."""
 
-    def check_step(self, current: BackwardPass, gradients_changed: bool) -> None:
-        """At ``step()``: raise if this step cannot give the right parameters."""
+    def check_step(self, gradients_changed: bool) -> None:
+        """At ``step()``: raise if this step cannot give the right parameters
+        (``gradients_changed``: in place, after they were issued)."""
 
     def fetch_optimizer_state(self) -> None:
         """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""

@@ -12,7 +12,6 @@ from commsched.update.fused import BucketUpdater
 from commsched.update.kinds import unsupported_reason
 
 if TYPE_CHECKING:
-    from commsched.backward_pass import BackwardPass
     from commsched.layout import GradLayout
 
 
@@ -50,10 +49,10 @@ class LocalUpdate:
     def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
         self._updater.update(bucket, hyperparameters, skip_slots)
 
-    def before_backward(self, previous: BackwardPass | None) -> None:
+    def before_backward(self, unstepped_backward: bool) -> None:
         """Two backward passes before one step accumulate, as in single-process training."""
 
-    def check_step(self, current: BackwardPass, gradients_changed: bool) -> None:
+    def check_step(self, gradients_changed: bool) -> None:
         """Changed gradients are averaged gradients changed here: the forward-overlap guard decides."""
 
     def fetch_optimizer_state(self) -> None:

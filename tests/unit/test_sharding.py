@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.ps.state import pack_block_state, unpack_block_state
-from commsched.sharding import make_blocks, min_block_bytes_for, place_blocks, plan_model_sharding
+from commsched.ps.sharding import make_blocks, min_block_bytes_for, place_blocks, plan_model_sharding
 from commsched.update.kinds import decode_hyperparameters, encode_hyperparameters, hyperparameter_snapshot
 
 shapes = st.lists(
@@ -81,7 +81,7 @@ def test_hyperparameters_round_trip():
 
 
 def test_block_state_round_trip():
-    from commsched.sharding import Segment
+    from commsched.ps.sharding import Segment
 
     segments = [Segment(0, 4, 0, 3), Segment(1, 0, 3, 5)]
     states = [

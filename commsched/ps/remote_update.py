@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from commsched.ps.protocol import ACK_TAG, PARAMS_TAG, STATE_TAG, Command, state_message_length
+from commsched.ps.push_pull import ParameterServerTransport
+from commsched.ps.sharding import Segment
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
 from commsched.scheduler import Partition
-from commsched.sharding import Segment
-from commsched.transport.ps import ParameterServerTransport
 from commsched.update.base import Hyperparameters
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
-    from commsched.backward_pass import BackwardPass
     from commsched.layout import GradLayout
 
 
@@ -46,8 +45,8 @@ class ServerSideUpdate:
         for param, values in zip(stage.params, stage.grad_views, strict=True):
             param.copy_(values)
 
-    def before_backward(self, previous: BackwardPass | None) -> None:
-        if previous is not None and not previous.stepped:
+    def before_backward(self, unstepped_backward: bool) -> None:
+        if unstepped_backward:
             raise RuntimeError(
                 "backward() ran twice without optimizer.step() in between. With "
                 "Strategy(backend=ParameterServer(...)) every synchronised backward() is an update on the "
@@ -55,7 +54,7 @@ class ServerSideUpdate:
                 "optimizer.step() after the last backward()."
             )
 
-    def check_step(self, current: BackwardPass, gradients_changed: bool) -> None:
+    def check_step(self, gradients_changed: bool) -> None:
         """The servers updated with the gradients and hyper-parameters of backward() time."""
         if gradients_changed:
             raise RuntimeError(

@@ -5,24 +5,18 @@ worker copies the block's gradient (and a trailer: iteration, per-parameter
 "has a gradient" flags) into a send buffer, posts the receive of the block's
 new values into a staging copy of the bucket, and sends. The block's handle
 completes when the new values have arrived, so the credit window covers the
-whole round trip. The "update" of a bucket (`commsched.update.server_side`),
+whole round trip. The "update" of a bucket (`commsched.ps.remote_update`),
 run where the all-reduce backend runs the optimizer (at a module's gate, or at
 ``step()`` without overlap), is the copy of the pulled values into the
 parameters.
 
-[Note: one waiter per receive] A gloo point-to-point ``Work`` reports neither
-completion (``is_completed()`` stays False until someone waits) nor a future,
-and only one thread may wait on it. So one thread per server waits on that
-server's receives, in issue order (the order the server answers them), and
-turns each into a `_Completion` that any thread can test, wait on with a
-timeout, or attach a callback to.
+Receives complete through `commsched.ps.receive` (see [Note: one waiter per
+receive] there).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,9 +27,10 @@ from commsched.errors import CommunicationTimeout, communication_timeout, wait_w
 from commsched.ps.protocol import (
     HEADER_TAG, LAYOUT_TAG, PLAN_TAG, Command, make_header, pull_tag, push_tag, trailer_length,
 )
+from commsched.ps.receive import Completion, ReceiveWaiter
 from commsched.ps.roles import FailureBoard, PSRoles
+from commsched.ps.sharding import ShardingPlan, plan_model_sharding
 from commsched.scheduler import Partition
-from commsched.sharding import ShardingPlan, plan_model_sharding
 from commsched.strategy import Strategy
 from commsched.update.kinds import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
 
@@ -46,79 +41,12 @@ NOTE_WAIT_S = 5.0
 server's note naming the lost worker (servers see a connection close at once)."""
 
 
-class _Completion:
-    """A receive's outcome, set once by its waiter thread (see [Note: one waiter per receive])."""
-
-    __slots__ = ("done", "error", "_callbacks", "_lock")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self._callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-
-    def finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            self.error = error
-            self.done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def add_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self.done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-
-class _Waiter:
-    """The one thread that waits on one server's receives, in the order they were posted."""
-
-    def __init__(self, server_rank: int, timeout_s: float):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._timeout_s = timeout_s
-        self._thread = threading.Thread(
-            target=self._run, name=f"commsched-ps-wait-{server_rank}", daemon=True
-        )
-        self._thread.start()
-
-    def watch(self, work: dist.Work) -> _Completion:
-        completion = _Completion()
-        self._queue.put((work, completion))
-        return completion
-
-    def _run(self) -> None:
-        failed: BaseException | None = None
-        while True:
-            work, completion = self._queue.get()
-            if work is None:
-                return
-            if failed is None:
-                try:
-                    wait_work(work, self._timeout_s)
-                except BaseException as error:  # noqa: BLE001 - handed to whoever waits
-                    failed = error
-            completion.finish(failed)
-
-    def stop(self, timeout_s: float) -> None:
-        """End the thread and wait for it.
-
-        It must be gone before the interpreter finalises: dropping a receive's
-        ``Work`` takes the GIL, and a thread that cannot get it then is
-        unwound through a C++ destructor, which aborts the process.
-        """
-        self._queue.put((None, None))
-        self._thread.join(timeout=timeout_s)
-
-
 class _BlockHandle:
     """One block's push and pull; complete once the new values have arrived."""
 
     __slots__ = ("_backend", "_completion", "_block", "_server")
 
-    def __init__(self, backend: ParameterServerTransport, completion: _Completion, block: int, server: int):
+    def __init__(self, backend: ParameterServerTransport, completion: Completion, block: int, server: int):
         self._backend, self._completion = backend, completion
         self._block, self._server = block, server
 
@@ -169,10 +97,11 @@ class ParameterServerTransport:
         self._push_buffers: list[torch.Tensor] = []
         self._push_works: list[dist.Work | None] = []
         self._block_at: dict[tuple[int, int], int] = {}
-        self._header_works: list[dist.Work] = []
+        self._header_sends: list[tuple[dist.Work, str]] = []
+        """Headers (and plans) in flight, each with what it is and to which server."""
         self._sent_hyperparameters: list[dict[str, object]] | None = None
         self._iteration = -1
-        self._waiters = {rank: _Waiter(rank, strategy.timeout_s) for rank in roles.servers}
+        self._waiters = {rank: ReceiveWaiter(rank, strategy.timeout_s) for rank in roles.servers}
         self.finished = False
 
     # ----------------------------------------------------------------- layout
@@ -225,18 +154,20 @@ class ParameterServerTransport:
 
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
         """Send every server this iteration's header (and the new plan, when it changes)."""
-        self._wait_all(self._header_works, "an iteration header")
+        self._wait_for_headers()
         self._iteration = iteration
         self._sent_hyperparameters = hyperparameter_snapshot(self.optimizer, self.kind)
         header = make_header(Command.PUSH, iteration, new_plan is not None,
                              encode_hyperparameters(self.kind, self._sent_hyperparameters))
-        works = []
+        sends = []
         for server in self.roles.servers:
-            works.append(dist.isend(header, dst=server, tag=HEADER_TAG, group=self.group))
+            to = f"to parameter server rank {server}"
+            sends.append((dist.isend(header, dst=server, tag=HEADER_TAG, group=self.group),
+                          f"the header of iteration {iteration} {to}"))
             if new_plan is not None:
                 plan = torch.tensor(list(new_plan), dtype=torch.int64)
-                works.append(dist.isend(plan, dst=server, tag=PLAN_TAG, group=self.group))
-        self._header_works = works
+                sends.append((dist.isend(plan, dst=server, tag=PLAN_TAG, group=self.group), f"the plan {to}"))
+        self._header_sends = sends
 
     def check_hyperparameters_unchanged(self) -> None:
         """At ``step()``: the servers used the hyper-parameters read when backward began."""
@@ -246,7 +177,7 @@ class ParameterServerTransport:
         if now != self._sent_hyperparameters:
             raise RuntimeError(
                 "the optimizer's hyper-parameters changed between backward() and step(); with "
-                "Strategy(backend='ps') the servers apply the update with the values read when "
+                "Strategy(backend=ParameterServer(...)) the servers apply the update with the values read when "
                 f"backward() began ({self._sent_hyperparameters}), not {now}. Change learning rates "
                 "(or step LR schedulers) after step() or before backward()."
             )
@@ -258,7 +189,7 @@ class ParameterServerTransport:
         numel = block.end - block.start
         previous = self._push_works[pid]
         if previous is not None:  # long done: its pull has completed
-            self._wait_all([previous], f"the push of block {pid}")
+            self._wait_all([previous], f"the push of block {pid} to parameter server rank {server}")
         buffer = self._push_buffers[pid]
         buffer[:numel].copy_(bucket.flat[block.start:block.end])
         buffer[numel] = self._iteration
@@ -295,8 +226,7 @@ class ParameterServerTransport:
     # ---------------------------------------------------------------- messages
     def send_command(self, server: int, command: Command) -> None:
         """A header carrying ``command`` (between iterations) to ``server``."""
-        self._wait_all(self._header_works, "an iteration header")
-        self._header_works = []
+        self._wait_for_headers()
         padding = [0.0] * encoded_length(self.kind, len(self.optimizer.param_groups))
         header = make_header(command, self._iteration, False, padding)
         self.send(header, server, HEADER_TAG, f"a {command.name} command")
@@ -308,6 +238,11 @@ class ParameterServerTransport:
     def receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
         self._wait_all([dist.irecv(tensor, src=server, tag=tag, group=self.group)],
                        f"receiving {what} from parameter server rank {server}")
+
+    def _wait_for_headers(self) -> None:
+        for work, what in self._header_sends:
+            self._wait_all([work], what)
+        self._header_sends = []
 
     def _wait_all(self, works: Sequence[dist.Work], what: str) -> None:
         for work in works:
