@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from commsched.bench.grid import Cell, lineup, markdown, plot, summarize
+from commsched.bench.grid import lineup
+from commsched.bench.results import Cell, markdown, plot, summarize
 from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, TorchDDP, decode, encode
 from commsched.strategy import ParameterServer, Strategy
 
