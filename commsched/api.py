@@ -16,13 +16,13 @@ import torch.distributed as dist
 from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
-from commsched.ps.job import join_parameter_server_job
+from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
 from commsched.ps.server import ParameterServer, ServerReport
 from commsched.reducer import GradientReducer
 from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
 from commsched.transport.allreduce import AllReduceTransport
-from commsched.update.kinds import USER_CLASS_ATTRIBUTE, optimizer_kind
+from commsched.update.kinds import USER_CLASS_ATTRIBUTE
 from commsched.update.local import LocalUpdate
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
@@ -87,34 +87,6 @@ class ServingFinished(SystemExit):
         self.report = report
 
 
-def _check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup) -> None:
-    if group is not dist.group.WORLD:
-        raise ValueError(
-            "Strategy(backend=ParameterServer(...)) runs on the default process group (its last "
-            "num_servers ranks serve); call prepare() without process_group"
-        )
-    if optimizer is None:
-        raise ValueError(
-            "Strategy(backend=ParameterServer(...)) needs the optimizer: the parameter servers run it. "
-            "Pass the optimizer to prepare()"
-        )
-    devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
-    if devices - {"cpu"}:
-        raise ValueError(
-            f"Strategy(backend=ParameterServer(...)) moves CPU tensors over gloo, but the model has "
-            f"parameters on {', '.join(sorted(devices - {'cpu'}))}; use the all-reduce backend "
-            "(Strategy(backend=AllReduce()), the default) for GPU models"
-        )
-    try:
-        optimizer_kind(optimizer)
-    except ValueError as error:
-        raise ValueError(
-            f"Strategy(backend=ParameterServer(...)) runs the optimizer on the servers, which supports "
-            f"torch.optim.SGD, Adam and AdamW only: {error}. Use the all-reduce backend "
-            "(Strategy(backend=AllReduce()), the default) for other optimizers"
-        ) from None
-
-
 def _agree(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -126,7 +98,7 @@ def _agree(
         _check_optimizer(model, optimizer)
     group = _resolve_process_group(process_group)
     if strategy.parameter_server:
-        _check_parameter_server_setup(optimizer, group)
+        check_parameter_server_setup(optimizer, group)
     descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
     descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
     verify_same_across_ranks(descriptions, group)

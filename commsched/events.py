@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 class Observer:
     """Subscribe to an `EventBus`; override the events of interest (the rest do nothing)."""
 
-    def layout_built(self, layout: GradLayout, summary: str | None) -> None:
-        """The buckets and partitions exist (``summary``: the transport's account of them)."""
+    def layout_built(self, layout: GradLayout, placement: str | None) -> None:
+        """The buckets and partitions exist (``placement``: where the transport sends each, if it says)."""
 
     def iteration_started(self, iteration: int) -> None:
         """A synchronised backward pass begins: iteration ``iteration`` (0, 1, ...)."""
@@ -66,9 +66,9 @@ class EventBus(Observer):
     def unsubscribe(self, observer: Observer) -> None:
         self._observers = tuple(o for o in self._observers if o is not observer)
 
-    def layout_built(self, layout: GradLayout, summary: str | None) -> None:
+    def layout_built(self, layout: GradLayout, placement: str | None) -> None:
         for observer in self._observers:
-            observer.layout_built(layout, summary)
+            observer.layout_built(layout, placement)
 
     def iteration_started(self, iteration: int) -> None:
         for observer in self._observers:

@@ -128,7 +128,7 @@ class GradientReducer:
         if self.overlap_off_reason is None:
             self._gates = ForwardGates(self.module, layout, self._wait_for_buckets)
         self.lifecycle = Lifecycle.WARMUP
-        self._events.layout_built(layout, transport.layout_summary())
+        self._events.layout_built(layout, transport.describe().placement)
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: agree on the plan; overlap from now on, or not."""

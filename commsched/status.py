@@ -7,7 +7,7 @@ Reading it has no side effect.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from commsched.backward_pass import IterationFigures
 from commsched.lifecycle import Lifecycle
@@ -90,16 +90,17 @@ def reducer_status(reducer: GradientReducer) -> Status:
         plan_text = "rank 0's plan, agreed after warm-up (forward order first, credit window)"
     else:
         plan_text = "buckets in the order their gradients are ready (torch DDP's)"
+    transport = reducer.transport.describe()
     return Status(
         lifecycle=reducer.lifecycle,
         iterations=0 if current is None else current.iteration + 1,
         overlap_off_reason=reducer.overlap_off_reason,
         plan=plan_text,
-        transport=reducer.transport.describe(),
+        transport=transport.description,
         buckets=buckets,
         flags_bucket=None if layout is None else layout.flags_bucket,
         partitions=0 if layout is None else len(layout.partitions),
-        server_bytes=reducer.transport.server_bytes(),
-        current_iteration=None if current is None else IterationFigures(**vars(current.figures)),
-        previous_iteration=reducer.previous_figures,
+        server_bytes=transport.server_bytes,
+        current_iteration=None if current is None else replace(current.figures),
+        previous_iteration=None if reducer.previous_figures is None else replace(reducer.previous_figures),
     )

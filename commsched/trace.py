@@ -68,10 +68,10 @@ class Tracer(Observer):
         self._hooks = self._attach_modules(root, params)
 
     # ------------------------------------------------------------------ events
-    def layout_built(self, layout: GradLayout, summary: str | None) -> None:
+    def layout_built(self, layout: GradLayout, placement: str | None) -> None:
         self._ready_us = [0.0] * len(layout.buckets)
-        if summary is not None:
-            self.note("layout", summary=summary)
+        if placement is not None:
+            self.note("layout", summary=placement)
 
     def iteration_started(self, iteration: int) -> None:
         self.iteration = iteration

@@ -1,4 +1,4 @@
-"""Joining a parameter-server job: split the world into workers and servers, build each side."""
+"""Joining a parameter-server job: check the setup, split the world into workers and servers, build each side."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.server import ParameterServer
 from commsched.strategy import ParameterServer as ParameterServerConfig
 from commsched.strategy import Strategy
+from commsched.update.kinds import optimizer_kind
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,35 @@ class WorkerSide:
     worker_group: dist.ProcessGroup
     """The workers only: order and plan agreements."""
     buffer_group: dist.ProcessGroup | None
+
+
+def check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup) -> None:
+    """What a parameter-server job needs, checked before any rank joins one."""
+    if group is not dist.group.WORLD:
+        raise ValueError(
+            "Strategy(backend=ParameterServer(...)) runs on the default process group (its last "
+            "num_servers ranks serve); call prepare() without process_group"
+        )
+    if optimizer is None:
+        raise ValueError(
+            "Strategy(backend=ParameterServer(...)) needs the optimizer: the parameter servers run it. "
+            "Pass the optimizer to prepare()"
+        )
+    devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
+    if devices - {"cpu"}:
+        raise ValueError(
+            f"Strategy(backend=ParameterServer(...)) moves CPU tensors over gloo, but the model has "
+            f"parameters on {', '.join(sorted(devices - {'cpu'}))}; use the all-reduce backend "
+            "(Strategy(backend=AllReduce()), the default) for GPU models"
+        )
+    try:
+        optimizer_kind(optimizer)
+    except ValueError as error:
+        raise ValueError(
+            f"Strategy(backend=ParameterServer(...)) runs the optimizer on the servers, which supports "
+            f"torch.optim.SGD, Adam and AdamW only: {error}. Use the all-reduce backend "
+            "(Strategy(backend=AllReduce()), the default) for other optimizers"
+        ) from None
 
 
 _jobs_started = 0

@@ -32,6 +32,7 @@ from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.sharding import ShardingPlan, plan_model_sharding
 from commsched.scheduler import Partition
 from commsched.strategy import Strategy
+from commsched.transport.base import TransportStatus
 from commsched.update.kinds import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
 
 logger = logging.getLogger("commsched")
@@ -131,22 +132,18 @@ class ParameterServerTransport:
             logger.info("commsched: parameter-server sharding: %s", self.plan.summary(self.roles.servers))
         return list(self.plan.blocks)
 
-    def layout_summary(self) -> str | None:
+    def describe(self) -> TransportStatus:
+        servers = len(self.roles.servers)
+        description = (f"parameter servers ({self.strategy.backend.mode}): {self.world_size} workers, {servers} "
+                       f"server{'s' if servers > 1 else ''} (ranks {', '.join(map(str, self.roles.servers))})")
         if self.plan is None:
-            return None
+            return TransportStatus(description)
         placement = "; ".join(
             f"block {b.pid} (bucket {b.bucket}, elements {b.start}:{b.end}, {b.nbytes} bytes) on rank "
             f"{self.roles.servers[server]}" for b, server in zip(self.plan.blocks, self.plan.servers)
         )
-        return f"{self.plan.summary(self.roles.servers)}. {placement}"
-
-    def describe(self) -> str:
-        servers = len(self.roles.servers)
-        return (f"parameter servers ({self.strategy.backend.mode}): {self.world_size} workers, {servers} "
-                f"server{'s' if servers > 1 else ''} (ranks {', '.join(map(str, self.roles.servers))})")
-
-    def server_bytes(self) -> tuple[int, ...]:
-        return () if self.plan is None else tuple(self.plan.loads_bytes())
+        return TransportStatus(description, f"{self.plan.summary(self.roles.servers)}. {placement}",
+                               tuple(self.plan.loads_bytes()))
 
     # -------------------------------------------------------------- iteration
     def bucket_ready(self, bucket: Bucket) -> None:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from commsched.buckets import Bucket
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.scheduler import Partition, make_partitions
-from commsched.transport.base import COMPLETED, Handle
+from commsched.transport.base import COMPLETED, Handle, TransportStatus
 
 
 class _WorkHandle:
@@ -79,14 +79,9 @@ class AllReduceTransport:
     def explain_failure(self, error: CommunicationTimeout) -> None:
         return None
 
-    def describe(self) -> str:
-        return f"all-reduce over {self.world_size} rank{'s' if self.world_size > 1 else ''} ({self._backend_name})"
-
-    def layout_summary(self) -> str | None:
-        return None
-
-    def server_bytes(self) -> tuple[int, ...]:
-        return ()
+    def describe(self) -> TransportStatus:
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name})")
 
     def finish(self) -> None:
         return None

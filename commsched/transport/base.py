@@ -9,6 +9,7 @@ or a codec).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from commsched.buckets import Bucket
@@ -43,6 +44,18 @@ class CompletedHandle:
 
 
 COMPLETED = CompletedHandle()
+
+
+@dataclass(frozen=True)
+class TransportStatus:
+    """What a transport is, and where it sends the partitions."""
+
+    description: str
+    """One line for logs and `commsched.status`."""
+    placement: str | None = None
+    """Where each partition goes, for the trace (None: nothing beyond the description)."""
+    server_bytes: tuple[int, ...] = ()
+    """Bytes of partitions each server holds (empty without servers)."""
 
 
 class Transport(Protocol):
@@ -83,14 +96,8 @@ class Transport(Protocol):
     def explain_failure(self, error: CommunicationTimeout) -> None:
         """A collective among the replicas failed: raise a more precise error if one is known."""
 
-    def describe(self) -> str:
-        """One line for logs and `commsched.status`: what goes where."""
-
-    def layout_summary(self) -> str | None:
-        """Where the partitions go, for the trace (None: nothing beyond `describe`)."""
-
-    def server_bytes(self) -> tuple[int, ...]:
-        """Bytes of partitions each server holds (empty without servers)."""
+    def describe(self) -> TransportStatus:
+        """What this transport is and, once attached, where the partitions go."""
 
     def finish(self) -> None:
         """No more iterations: release peers waiting for this rank (idempotent)."""
