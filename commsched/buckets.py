@@ -8,6 +8,7 @@ the memory that goes on the wire: no copy before or after a reduction.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -128,3 +129,15 @@ def _view_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Te
         return segment.view(param.shape)
     dense_strides = torch.empty_like(param, device="meta").stride()
     return segment.as_strided(param.shape, dense_strides)
+
+
+class BucketSet(NamedTuple):
+    """A model's buckets and how they came about: what a transport cuts into partitions."""
+
+    forward_order: Sequence[int]
+    """Parameter slots in the order the forward pass uses them."""
+    bucket_slots: Sequence[Sequence[int]]
+    """Per bucket, its parameters' slots (buckets in reverse forward order)."""
+    priorities: Sequence[int]
+    """Per bucket, the forward position of its earliest parameter (lower is more urgent)."""
+    buckets: Sequence[Bucket]

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from commsched.buckets import Bucket, bucket_layout
+from commsched.buckets import Bucket, BucketSet, bucket_layout
 from commsched.scheduler import Partition
 
-CutPartitions = Callable[
-    [Sequence[int], Sequence[Sequence[int]], Sequence[int], Sequence[Bucket]], list[Partition]
-]
-"""(forward order, bucket slots, priorities, buckets) -> partitions: the transport's ``attach``."""
+CutPartitions = Callable[[BucketSet], list[Partition]]
+"""The transport's ``attach``: buckets -> partitions."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +85,7 @@ def build_layout(
             if grad is not None:
                 view.copy_(grad)
                 params[slot].grad = view
-    partitions = cut(forward_order, bucket_slots, priorities, buckets)
+    partitions = cut(BucketSet(tuple(forward_order), bucket_slots, priorities, buckets))
     gated, root_slots = _gates(root, params, bucket_of, used_before_owner)
     return GradLayout(
         names=tuple(names), params=tuple(params), forward_order=tuple(forward_order), buckets=tuple(buckets),

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import Bucket
+from commsched.buckets import Bucket, BucketSet
 from commsched.errors import CommunicationTimeout, communication_timeout, wait_work
 from commsched.ps.protocol import (
     HEADER_TAG, LAYOUT_TAG, PLAN_TAG, Command, make_header, pull_tag, push_tag, trailer_length,
@@ -106,21 +106,17 @@ class ParameterServerTransport:
         self.finished = False
 
     # ----------------------------------------------------------------- layout
-    def attach(
-        self,
-        forward_order: Sequence[int],
-        bucket_slots: Sequence[Sequence[int]],
-        priorities: Sequence[int],
-        buckets: Sequence[Bucket],
-    ) -> list[Partition]:
+    def attach(self, bucket_set: BucketSet) -> list[Partition]:
         """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers."""
         if self.roles.rank == self.roles.workers[0]:
-            order = torch.tensor(list(forward_order), dtype=torch.int64)
+            order = torch.tensor(list(bucket_set.forward_order), dtype=torch.int64)
             for server in self.roles.servers:
                 dist.send(order, dst=server, tag=LAYOUT_TAG, group=self.group)
         self.plan = plan_model_sharding(
-            self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
+            self.params, bucket_set.bucket_slots, bucket_set.priorities, self.strategy.ps_block_bytes,
+            len(self.roles.servers),
         )
+        buckets = bucket_set.buckets
         self.stages = [Bucket(bucket.index, bucket.params) for bucket in buckets]
         self._push_buffers = [
             torch.empty(block.end - block.start + trailer_length(len(segments)), dtype=buckets[block.bucket].dtype)

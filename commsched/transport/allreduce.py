@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from commsched.buckets import Bucket
+from commsched.buckets import Bucket, BucketSet
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.scheduler import Partition, make_partitions
 from commsched.transport.base import COMPLETED, Handle, TransportStatus
@@ -50,16 +50,11 @@ class AllReduceTransport:
         self._partition_bytes = partition_bytes
         self._backend_name = str(dist.get_backend(process_group))
 
-    def attach(
-        self,
-        forward_order: Sequence[int],
-        bucket_slots: Sequence[Sequence[int]],
-        priorities: Sequence[int],
-        buckets: Sequence[Bucket],
-    ) -> list[Partition]:
+    def attach(self, bucket_set: BucketSet) -> list[Partition]:
+        buckets = bucket_set.buckets
         return make_partitions(
             [b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
-            priorities, self._partition_bytes,
+            bucket_set.priorities, self._partition_bytes,
         )
 
     def bucket_ready(self, bucket: Bucket) -> None:

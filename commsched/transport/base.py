@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from commsched.buckets import Bucket
+from commsched.buckets import Bucket, BucketSet
 from commsched.errors import CommunicationTimeout
 from commsched.scheduler import Partition
 
@@ -72,13 +72,7 @@ class Transport(Protocol):
     "has a gradient" flags can ride in the tail of the flags bucket
     (see [Note: unused parameters] in `commsched.backward_pass`)."""
 
-    def attach(
-        self,
-        forward_order: Sequence[int],
-        bucket_slots: Sequence[Sequence[int]],
-        priorities: Sequence[int],
-        buckets: Sequence[Bucket],
-    ) -> list[Partition]:
+    def attach(self, bucket_set: BucketSet) -> list[Partition]:
         """The buckets exist: cut them into partitions (the units on the wire) and get ready."""
 
     def bucket_ready(self, bucket: Bucket) -> None:
