@@ -33,6 +33,8 @@ class GradLayout:
     buckets: tuple[Bucket, ...]
     """In the order their gradients are produced (reverse forward order)."""
     bucket_slots: tuple[tuple[int, ...], ...]
+    bucket_param_counts: tuple[int, ...]
+    """Per bucket, how many parameters it holds (a pass counts them down)."""
     priorities: tuple[int, ...]
     """Per bucket: the forward position of its earliest parameter (lower is more urgent)."""
     bucket_of: tuple[int, ...]
@@ -48,10 +50,6 @@ class GradLayout:
     root_buckets: tuple[int, ...]
     """Buckets the root must wait for before its forward: its own parameters', and those
     used before their module runs (``F.linear(x, self.head.weight)``)."""
-
-    @property
-    def bucket_param_counts(self) -> tuple[int, ...]:
-        return tuple(len(slots) for slots in self.bucket_slots)
 
 
 def build_layout(
@@ -89,7 +87,8 @@ def build_layout(
     gated, root_slots = _gates(root, params, bucket_of, used_before_owner)
     return GradLayout(
         names=tuple(names), params=tuple(params), forward_order=tuple(forward_order), buckets=tuple(buckets),
-        bucket_slots=tuple(map(tuple, bucket_slots)), priorities=tuple(priorities), bucket_of=tuple(bucket_of),
+        bucket_slots=tuple(map(tuple, bucket_slots)), bucket_param_counts=tuple(map(len, bucket_slots)),
+        priorities=tuple(priorities), bucket_of=tuple(bucket_of),
         views=tuple(views), flags_bucket=flags_bucket, partitions=tuple(partitions), gated_modules=gated,
         root_buckets=tuple(sorted({bucket_of[s] for s in root_slots})),
     )

@@ -265,7 +265,6 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
 
 def case_async_training_converges(rank, world_size, servers):
     """Asynchronous mode: a linear regression's loss falls below 0.05; staleness is reported."""
-    workers = world_size - servers
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
