@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
+from commsched.foreign_optimizers import watch_foreign_optimizers
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
 from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
@@ -71,6 +72,7 @@ def prepare(
     if optimizer is not None:
         _mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
+    watch_foreign_optimizers(model, optimizer, reducer)
     return model, optimizer
 
 

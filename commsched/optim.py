@@ -6,6 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from commsched.foreign_optimizers import user_synchronized
+from commsched.lifecycle import Lifecycle
+
 if TYPE_CHECKING:
     from commsched.reducer import GradientReducer
 
@@ -22,6 +25,7 @@ class CommschedOptimizer:
     def synchronize(self) -> None:
         """Block until every pending gradient reduction (and update) is done."""
         self._commsched_reducer.synchronize()
+        user_synchronized(self._commsched_reducer)
 
     def step(self, closure: Any = None) -> Any:
         """Release this iteration's update.
@@ -39,6 +43,20 @@ class CommschedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._commsched_reducer.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused until ``commsched.release``: param groups are read once, when the buckets
+        and their per-bucket updates are built, so a later group would never be updated."""
+        if self._commsched_reducer.lifecycle is not Lifecycle.RELEASED:
+            raise RuntimeError(
+                "add_param_group() was called on an optimizer already passed to commsched.prepare(); "
+                "its param groups are fixed there, so the new group would never be updated. Add every "
+                "param group before prepare(): a group that should train only later can start with "
+                "lr=0 and get its learning rate then (hyper-parameters are read at every step(); "
+                "momentum and Adam's moments still see its gradients from the start). Its parameters "
+                "must have requires_grad=True at prepare(): parameters frozen there cannot be unfrozen."
+            )
+        super().add_param_group(param_group)  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict; with parameter servers, their state is fetched first."""

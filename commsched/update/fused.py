@@ -2,13 +2,23 @@
 
 Each bucket's parameters are updated on their own, as soon as the bucket's
 reduction is complete, with torch's functional optimizer kernels (``fused=True``
-on request) over the bucket's gradient views. State lives in the user's
-optimizer (``optimizer.state[param]``), created exactly as torch.optim creates
-it, so checkpoints move freely between commsched and plain torch.optim. Only
-parameters of one param group share a call (Paddle's "fuse only identical
-optimizers"), and the hyper-parameters are those of the ``step()`` call that
-released the update, so an LR scheduler stepped right after ``step()`` does not
-leak into this iteration.
+on request, for float32 and float64 parameters) over the bucket's gradient
+views. State lives in the user's optimizer (``optimizer.state[param]``),
+created exactly as torch.optim creates it, so checkpoints move freely between
+commsched and plain torch.optim. Only parameters of one param group share a
+call (Paddle's "fuse only identical optimizers"), and the hyper-parameters are
+those of the ``step()`` call that released the update, so an LR scheduler
+stepped right after ``step()`` does not leak into this iteration.
+
+[Note: low-precision parameters] torch's fused kernels compute a float16 or
+bfloat16 update in float32 and round once, where torch.optim's default kernels
+(a loop over tensors on CPU, ``foreach`` on GPU) round after every operation:
+within ten steps they differ by many units in the last place, and with
+torch 2.13 the fused CPU SGD kernel leaves most elements of such a parameter
+unchanged (and its momentum is not even reproducible). So ``Strategy(fuse_optimizer=True)`` fuses only float32 and float64
+buckets; low-precision ones get the kernel the param group itself asks for
+(its ``fused`` and ``foreach``, as torch.optim's ``step()`` passes them), which
+gives torch.optim's own results bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +31,10 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind
+
+FUSED_DTYPES = frozenset({torch.float32, torch.float64})
+"""Where torch's fused kernels match torch.optim's default ones to float tolerance;
+see [Note: low-precision parameters]."""
 
 
 @dataclass
@@ -80,8 +94,9 @@ class BucketUpdater:
                 else:
                     self._adam(params, grads, hp)
 
-    def _kernel_flags(self, hp: dict[str, object]) -> dict[str, bool | None]:
-        if self.fused:
+    def _kernel_flags(self, params: list, hp: dict[str, object]) -> dict[str, bool | None]:
+        """The kernel: fused where requested and exact enough, else the param group's own choice."""
+        if self.fused and params[0].dtype in FUSED_DTYPES:
             return {"fused": True, "foreach": False}
         return {"fused": hp["fused"], "foreach": hp["foreach"]}
 
@@ -91,7 +106,7 @@ class BucketUpdater:
         kwargs = dict(
             weight_decay=hp["weight_decay"], momentum=momentum, lr=hp["lr"],
             dampening=hp["dampening"], nesterov=hp["nesterov"], maximize=hp["maximize"],
-            **self._kernel_flags(hp),
+            **self._kernel_flags(params, hp),
         )
         if momentum == 0:
             functional_sgd(params, grads, [None] * len(params), **kwargs)
@@ -111,7 +126,8 @@ class BucketUpdater:
     def _adam(self, params: list, grads: list, hp: dict[str, object]) -> None:
         state = self.optimizer.state
         amsgrad = hp["amsgrad"]
-        fused = self.fused or bool(hp["fused"])
+        flags = self._kernel_flags(params, hp)
+        fused = bool(flags["fused"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         for param in params:
             s = state[param]
@@ -135,6 +151,5 @@ class BucketUpdater:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             decoupled_weight_decay=self.kind == "adamw" if decoupled is None else bool(decoupled),
             amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=hp["lr"],
-            weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=hp["maximize"],
-            **self._kernel_flags(hp),
+            weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=hp["maximize"], **flags,
         )

@@ -44,7 +44,9 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def hyperparameter_snapshot(optimizer: torch.optim.Optimizer, kind: str) -> list[dict[str, object]]:
-    """The hyper-parameters of every param group of ``optimizer`` now."""
+    """The hyper-parameters of every param group of ``optimizer`` now, with the group's own
+    ``foreach`` and ``fused`` exactly as torch.optim's ``step()`` passes them (None lets
+    torch pick; an explicit False is kept, since torch treats it differently from None)."""
     keys = _HYPERPARAMETERS[kind]
     return [{k: group.get(k) for k in keys} | {"foreach": group.get("foreach"), "fused": group.get("fused")}
             for group in optimizer.param_groups]
