@@ -18,6 +18,15 @@ rank which parameters no rank used: those keep ``grad=None`` and are not
 updated, exactly as in single-process training. No extra collective, and no
 ``find_unused_parameters`` switch. (A parameter server receives the flags with
 each push instead, and a worker keeps its own ``grad=None``.)
+
+[Note: nested backward passes] Reentrant activation checkpointing computes a
+block's gradients in a backward pass of its own, nested in the outer one; a
+parameter used both inside such a block and outside it (weight tying, a
+penalty) gets its gradient accumulated twice, once per pass, and its bucket
+must not go out before the second. The first pass of a model holds every bucket
+until the end of backward and notes which parameters got gradients from a
+nested pass; later passes hold only those buckets. A second accumulation into
+a bucket already issued (a pattern first seen later) is an error that says so.
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
+from commsched.autograd_context import graph_task_id
 from commsched.completion import CallbackTracker
 from commsched.dispatch import Dispatcher
 from commsched.events import Observer
+from commsched.guards import gradient_twice_error
 from commsched.layout import GradLayout
 from commsched.scheduler import Partition, Plan
 from commsched.transport.base import Handle, Transport
@@ -65,6 +76,7 @@ class BackwardPass:
         tracker: CallbackTracker,
         timeout_s: float,
         overlapping: bool,
+        held_buckets: frozenset[int] | None = None,
     ):
         self.iteration = iteration
         self.overlapping = overlapping
@@ -93,18 +105,35 @@ class BackwardPass:
         self.grads_released = False
         """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
         self.figures = IterationFigures(iteration)
+        self._held = (frozenset(range(num_buckets)) if held_buckets is None else held_buckets) | {layout.flags_bucket}
+        """Buckets issued only when the backward pass ends; see [Note: nested backward passes]."""
+        self._graph_task = graph_task_id()
+        self.nested_slots: set[int] = set()
+        """Slots whose gradient came (also) from a backward pass nested in this one."""
         self._dispatcher = Dispatcher(
             plan, self._launch, tracker, credit_from_completions=plan.credit_bytes is not None and not transport.is_local
         )
 
     # ---------------------------------------------------------------- backward
+    @property
+    def all_gradients_ready(self) -> bool:
+        return all(self._ready)
+
     def gradient_ready(self, slot: int) -> None:
         """Parameter ``slot``'s gradient sits in its bucket; a complete bucket goes out."""
+        bucket = self._layout.bucket_of[slot]
+        if graph_task_id() != self._graph_task:
+            self.nested_slots.add(slot)
+        if self._ready[slot]:
+            # Accumulated again, in place, in its bucket: right only if not issued yet.
+            if bucket not in self._held:
+                raise RuntimeError(gradient_twice_error(self._layout.names[slot]))
+            self.nested_slots.add(slot)
+            return
         self._ready[slot] = True
         self.has_grad[slot] = True
-        bucket = self._layout.bucket_of[slot]
         self._pending[bucket] -= 1
-        if self._pending[bucket] == 0 and bucket != self._layout.flags_bucket:
+        if self._pending[bucket] == 0 and bucket not in self._held:
             self._bucket_ready(bucket)
 
     def end_backward(self) -> None:
@@ -112,7 +141,10 @@ class BackwardPass:
         self._dispatcher.end_backward()
         if not all(self._ready):
             self._resolve_unready_parameters()
-        self._bucket_ready(self._layout.flags_bucket)
+        flags = self._layout.flags_bucket
+        for bucket in sorted(self._held - {flags}):
+            self._bucket_ready(bucket)
+        self._bucket_ready(flags)
         self._dispatcher.issue_remaining()
 
     def _bucket_ready(self, index: int) -> None:
@@ -153,7 +185,7 @@ class BackwardPass:
             self._ready[slot] = True
             bucket = layout.bucket_of[slot]
             self._pending[bucket] -= 1
-            if self._pending[bucket] == 0 and bucket != layout.flags_bucket:
+            if self._pending[bucket] == 0 and bucket not in self._held:
                 self._bucket_ready(bucket)
 
     # -------------------------------------------------------------- completion
@@ -218,12 +250,6 @@ class BackwardPass:
     def release_updates(self, hyperparameters: Hyperparameters) -> None:
         """``step()``: each bucket is updated once reduced (now, or at its gate)."""
         self.hyperparameters = hyperparameters
-
-    def redo_updates(self) -> None:
-        """A second ``step()`` on the same gradients: every bucket is updated again."""
-        self.hyperparameters = None
-        self._updated = [False] * len(self._layout.buckets)
-        self.outstanding = len(self._layout.buckets)
 
     def mark_updated(self) -> None:
         """The optimizer stepped every parameter itself (after every reduction)."""

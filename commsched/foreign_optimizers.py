@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from commsched.autograd_context import running_backward
 from commsched.lifecycle import Lifecycle
 from commsched.update.kinds import user_class
 
@@ -101,7 +102,7 @@ def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer
            f"commsched.prepare(), is stepping parameter '{name}' of a prepared model")
     one_optimizer = ("Put every parameter in the one optimizer given to prepare() (param groups may set "
                      "their own lr, weight_decay, momentum or betas)")
-    if torch._C._current_graph_task_id() != -1:
+    if running_backward():
         raise RuntimeError(
             f"{who} during a backward pass, before its gradient is averaged across ranks. Step "
             "optimizers after backward() returns."

@@ -4,7 +4,9 @@ A gate is a forward pre-hook on every module that owns parameters (and one on
 the root for parameters used before their module runs). It asks the current
 backward pass to finish its buckets: wait for their reductions, then run the
 updates ``step()`` released. The CPU waits on the handle; modules whose
-buckets are done pass straight through.
+buckets are done pass straight through. A recomputation during backward
+(activation checkpointing) passes straight through too: see
+[Note: recomputation] in `commsched.autograd_context`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from commsched.autograd_context import running_backward
 from commsched.layout import GradLayout
 
 WaitForBuckets = Callable[[Sequence[int]], None]
@@ -38,6 +41,7 @@ class ForwardGates:
 
 def _gate(buckets: Sequence[int], wait_for: WaitForBuckets):
     def gate(module: torch.nn.Module, args: object) -> None:
-        wait_for(buckets)
+        if not running_backward():
+            wait_for(buckets)
 
     return gate

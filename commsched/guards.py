@@ -33,6 +33,15 @@ def gradients_touched_error() -> RuntimeError:
     )
 
 
+def gradient_twice_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"parameter '{name}' received its gradient twice in one backward pass: it is used both inside "
+        "and outside a block checkpointed with torch.utils.checkpoint(..., use_reentrant=True), whose "
+        "gradients come from a backward pass of their own. Use use_reentrant=False, or keep each "
+        "parameter on one side of the checkpoint."
+    )
+
+
 def synchronize_during_backward_error() -> RuntimeError:
     return RuntimeError("synchronize() was called during a backward pass; call it after backward() returns")
 

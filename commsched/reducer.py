@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from commsched.consistency import broadcast_from_rank0
@@ -39,6 +40,7 @@ from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
 from commsched.planning import ReadyTimeProfile, plan_on_rank0
+from commsched.reads import ParameterReads
 from commsched.scheduler import Plan, fifo_plan
 from commsched.strategy import Strategy
 from commsched.trace import Tracer
@@ -73,11 +75,22 @@ class GradientReducer:
         self.current: BackwardPass | None = None
         """The latest synchronised backward pass (its updates may still be pending)."""
         self.previous_figures: IterationFigures | None = None
+        self.updated_at_step: tuple[int, ...] = ()
+        """Buckets the loop reads between ``step()`` and the next forward pass: with
+        overlap, updated at ``step()``. See [Note: reads outside the forward pass]."""
+        self.updated_after_forward: tuple[int, ...] = ()
+        """Buckets the loop reads after the forward pass: updated when it returns."""
+        self._held_buckets: frozenset[int] | None = None
+        """Issued only at the end of backward (None: all, until a first pass was seen);
+        see [Note: nested backward passes]."""
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         self._phase = Phase.IDLE
+        self._end_deferred = False
+        """The backward pass's end-of-pass callback ran in a nested backward pass
+        before every gradient was in; see [Note: nested backward]."""
         self._sync_enabled = True
         self._overlap_blocked = policy.overlap_blocker
         if strategy.overlap_forward and self._overlap_blocked:
@@ -88,6 +101,7 @@ class GradientReducer:
         self._profile: ReadyTimeProfile | None = None
         self._first_forward: FirstForward | None = None
         self._gates: ForwardGates | None = None
+        self._reads: ParameterReads | None = None
         self._fingerprint = ParameterFingerprint(module)
         self._modules = list(module.modules())
         if strategy.trace_dir is not None:
@@ -127,6 +141,8 @@ class GradientReducer:
             self._events.subscribe(self._profile)
         if self.overlap_off_reason is None:
             self._gates = ForwardGates(self.module, layout, self._wait_for_buckets)
+            if self.policy.per_bucket:
+                self._reads = ParameterReads(self.module, self._params)
         self.lifecycle = Lifecycle.WARMUP
         self._events.layout_built(layout, transport.describe().placement)
 
@@ -144,7 +160,26 @@ class GradientReducer:
             logger.info("commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
                         len(new_order), len(self.layout.buckets), (time.perf_counter() - started) * 1e3)
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        if self._reads is not None and self.lifecycle is Lifecycle.OVERLAPPING:
+            self._use_recorded_reads(self._reads)
         return new_order
+
+    def _use_recorded_reads(self, reads: ParameterReads) -> None:
+        """[Note: reads outside the forward pass]: what warm-up saw decides what is updated early."""
+        layout = self.layout
+        self.updated_at_step = tuple(sorted({layout.bucket_of[s] for s in reads.before_forward}))
+        self.updated_after_forward = tuple(sorted({layout.bucket_of[s] for s in reads.after_forward}))
+        for slots, buckets, when in (
+            (reads.before_forward, self.updated_at_step, "at step()"),
+            (reads.after_forward, self.updated_after_forward, "when the forward pass returns"),
+        ):
+            if slots:
+                logger.info(
+                    "commsched: the training loop reads %d parameters (first: '%s') outside the forward pass; "
+                    "their %d buckets are updated %s", len(slots), self._names[min(slots)], len(buckets), when,
+                )
+        if self.updated_after_forward:
+            self._hooks.append(self.module.register_forward_hook(self._after_forward, always_call=True))
 
     # ---------------------------------------------------------------- backward
     def _gradient_hook(self, slot: int) -> Callable[[torch.Tensor], None]:
@@ -157,6 +192,9 @@ class GradientReducer:
         """Hot path: once per parameter per backward pass."""
         if self._phase is Phase.IDLE:
             self._begin_backward()
+        elif self._end_deferred:
+            self._end_deferred = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         view = self.layout.views[slot]
         grad = param.grad
         if grad is not view:
@@ -189,23 +227,38 @@ class GradientReducer:
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.strategy.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
+            held_buckets=self._held_buckets,
         )
         self._events.iteration_started(iteration)
 
     def _end_backward(self) -> None:
         """Runs once the autograd engine has finished this backward pass."""
+        if (
+            self._phase is Phase.BACKWARD and not self.current.all_gradients_ready
+            and inside_outer_backward()
+        ):
+            # [Note: nested backward] The outer pass may still produce gradients: its
+            # next gradient queues this again, or the next use of the model ends the pass.
+            self._end_deferred = True
+            return
+        self._end_deferred = False
         phase, self._phase = self._phase, Phase.IDLE
         if phase is not Phase.BACKWARD:
             return
         current = self.current
         current.end_backward()
+        held = frozenset(self.layout.bucket_of[slot] for slot in current.nested_slots)
+        self._held_buckets = held if self._held_buckets is None else self._held_buckets | held
         if not current.overlapping:
             current.complete_all()
         self._events.backward_finished()
 
     # ----------------------------------------------------------------- forward
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        if running_backward():
+            return  # [Note: recomputation]
         self._events.forward_started()
+        self._end_deferred_backward()
         if self._phase is not Phase.IDLE:
             raise RuntimeError(BACKWARD_UNFINISHED)
         self._fingerprint.check()
@@ -219,6 +272,12 @@ class GradientReducer:
                 broadcast_from_rank0(buffers, self.buffer_group, self.strategy.timeout_s)
         if self.layout is None and torch.is_grad_enabled() and self._first_forward is None:
             self._first_forward = FirstForward(self.module, self._params, self._after_first_forward)
+
+    def _after_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """Buckets read after the forward pass (a module that did not run) are updated now."""
+        current = self.current
+        if current is not None and current.outstanding and not running_backward():
+            current.complete_buckets(self.updated_after_forward)
 
     def _after_first_forward(self, order: list[int], used_before_owner: set[int]) -> None:
         self._first_forward = None
@@ -251,8 +310,14 @@ class GradientReducer:
         finally:
             self._sync_enabled = previous
 
+    def _end_deferred_backward(self) -> None:
+        """The model is used again, so a backward pass whose end was deferred is over."""
+        if self._end_deferred:
+            self._end_backward()
+
     def synchronize(self) -> None:
         """Block until every launched reduction is done, and every released update."""
+        self._end_deferred_backward()
         if self._phase is not Phase.IDLE:
             raise synchronize_during_backward_error()
         current = self.current
@@ -264,18 +329,33 @@ class GradientReducer:
     def step(self, optimizer_step: Callable[[], Any]) -> None:
         """Release this iteration's updates (all at once without overlap)."""
         started = time.perf_counter()
+        reads = self._reads
+        if reads is not None:
+            reads.stop()
         self._step(optimizer_step)
+        if reads is not None:
+            if self.lifecycle is Lifecycle.WARMUP:
+                reads.start()
+            elif not reads.active:
+                self._reads = None
         self._events.step_finished(started, time.perf_counter())
 
     def _step(self, optimizer_step: Callable[[], Any]) -> None:
+        self._end_deferred_backward()
         current = self.current
         if self.lifecycle is Lifecycle.RELEASED:
             optimizer_step()
             return
-        if current is not None and current.hyperparameters is not None:
-            # A second step() on the same gradients: finish the first, then redo it whole.
+        if current is not None and (current.stepped or current.grads_released):
+            # [Note: a step without backward] No new reduced gradients since the last
+            # step(), or zero_grad() dropped them: torch.optim steps on whatever .grad
+            # holds now (nothing, for None), so the optimizer's own step does, once
+            # this pass is finished.
             self.synchronize()
-            current.redo_updates()
+            self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
+            current.stepped = True
+            current.mark_updated()
+            return
         if not self.policy.per_bucket:
             self.synchronize()
             optimizer_step()
@@ -291,6 +371,8 @@ class GradientReducer:
             raise gradients_touched_error()
         current.stepped = True
         current.release_updates(self.policy.snapshot())
+        if current.overlapping and self.updated_at_step:
+            current.complete_buckets(self.updated_at_step)
         if not current.overlapping:
             if self.lifecycle is Lifecycle.WARMUP and changed and self.overlap_off_reason is None:
                 self._overlap_blocked = GRADIENTS_CHANGED_REASON
@@ -298,6 +380,7 @@ class GradientReducer:
             self.synchronize()
 
     def before_zero_grad(self, set_to_none: bool) -> None:
+        self._end_deferred_backward()
         if not set_to_none:
             # Zeroing in place would race with reductions still in flight.
             self.synchronize()

@@ -46,6 +46,11 @@ class Status:
     """The latest synchronised iteration so far (waits still to come in gates are not in it yet)."""
     previous_iteration: IterationFigures | None
     """The one before it, complete."""
+    updated_at_step: tuple[int, ...] = ()
+    """With forward overlap: buckets updated at ``step()`` because the training loop
+    reads their parameters before the next forward pass (seen during warm-up)."""
+    updated_after_forward: tuple[int, ...] = ()
+    """Buckets updated when the forward pass returns, because the loop reads them after it."""
 
     @property
     def overlapping(self) -> bool:
@@ -61,6 +66,11 @@ class Status:
             f"{sum(b.nbytes for b in self.buckets) / 2**20:.2f} MiB; plan: {self.plan}",
             f"  forward overlap: {overlap}",
         ]
+        if self.updated_at_step or self.updated_after_forward:
+            lines.append(
+                f"  read outside the forward pass: {len(self.updated_at_step)} buckets updated at step(), "
+                f"{len(self.updated_after_forward)} when the forward pass returns"
+            )
         for label, figures in (("previous", self.previous_iteration), ("current", self.current_iteration)):
             if figures is not None:
                 lines.append(
@@ -103,4 +113,6 @@ def reducer_status(reducer: GradientReducer) -> Status:
         server_bytes=transport.server_bytes,
         current_iteration=None if current is None else replace(current.figures),
         previous_iteration=None if reducer.previous_figures is None else replace(reducer.previous_figures),
+        updated_at_step=reducer.updated_at_step,
+        updated_after_forward=reducer.updated_after_forward,
     )

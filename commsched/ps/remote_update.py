@@ -45,6 +45,21 @@ class ServerSideUpdate:
         for param, values in zip(stage.params, stage.grad_views, strict=True):
             param.copy_(values)
 
+    def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
+        """The servers applied this pass's gradients already; only a step on no gradient matches torch."""
+        if again and all(p.grad is None for p in self._params):
+            return  # torch.optim skips every parameter without a gradient
+        what = (
+            "optimizer.step() ran again without a backward() in between, on gradients that are not None"
+            if again else "optimizer.zero_grad() ran between backward() and step()"
+        )
+        raise RuntimeError(
+            f"{what}. With Strategy(backend=ParameterServer(...)) the servers apply each backward()'s "
+            "gradients exactly once, when they arrive, so this step cannot do what torch.optim would. "
+            "Call optimizer.step() once after each backward() and optimizer.zero_grad() after step() (a "
+            "step() after zero_grad() with set_to_none=True changes nothing and is allowed)."
+        )
+
     def before_backward(self, unstepped_backward: bool) -> None:
         if unstepped_backward:
             raise RuntimeError(

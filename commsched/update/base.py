@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -30,6 +31,11 @@ class UpdatePolicy(Protocol):
 
     def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
         """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient)."""
+
+    def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
+        """A ``step()`` without this pass's reduced gradients: a second one after
+        the pass's own (``again``), or one after ``zero_grad()`` dropped them. Do
+        what torch.optim does with ``.grad`` as it is now, or refuse."""
 
     def before_backward(self, unstepped_backward: bool) -> None:
         """A synchronised backward pass is about to begin (``unstepped_backward``: the one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +49,10 @@ class LocalUpdate:
 
     def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
         self._updater.update(bucket, hyperparameters, skip_slots)
+
+    def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
+        """The reductions are done and ``.grad`` is what torch.optim would see: its own step is exact."""
+        optimizer_step()
 
     def before_backward(self, unstepped_backward: bool) -> None:
         """Two backward passes before one step accumulate, as in single-process training."""

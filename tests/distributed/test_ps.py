@@ -244,11 +244,28 @@ def _misuse_backward_twice(model, optimizer, x, y, rank):
         F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
 
 
+def _misuse_zero_grad_before_step(model, optimizer, x, y, rank):
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) ran between backward\(\) and step\(\)"):
+        optimizer.step()
+
+
+def _misuse_step_twice_on_gradients(model, optimizer, x, y, rank):
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) ran again without a backward\(\) in between"):
+        optimizer.step()
+    optimizer.zero_grad()
+    optimizer.step()  # no gradient: nothing to do, as in torch.optim
+
+
 def case_misuse_gives_clear_errors(rank, world_size, servers):
     """Each misuse on a fresh prepare (an error leaves the workers and servers out of step)."""
     workers = world_size - servers
     x, y = next(batches(workers))
-    for misuse in (_misuse_clip, _misuse_lr_change, _misuse_backward_twice):
+    for misuse in (_misuse_clip, _misuse_lr_change, _misuse_backward_twice, _misuse_zero_grad_before_step,
+                   _misuse_step_twice_on_gradients):
         model, optimizer, _, _ = fresh_pair("sgd")
         if prepare_or_serve(model, optimizer, servers) is None:
             continue

@@ -1,0 +1,113 @@
+"""Which parameters the training loop reads outside the forward pass, seen during warm-up.
+
+[Note: reads outside the forward pass] With forward overlap, ``step()``
+returns before parameters are updated and each module's gate updates its own
+when the next forward pass reaches it. Code outside the forward pass that reads
+parameters would see old values: a penalty computed before the forward call,
+weight clipping or an EMA right after ``step()``, or, after the forward pass, a
+penalty over a module that did not run. So, during the warm-up iterations
+(which run without overlap), a torch-function mode notes every prepared
+parameter passed to a torch function between one ``step()`` and the next,
+outside the model's forward pass and outside backward. From then on:
+buckets read *before* the forward pass are updated at ``step()``; buckets read
+*after* it are updated when the forward pass returns. Reading metadata
+(``.grad``, ``.shape``, ``size()``...) is not reading values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_leaves
+
+from commsched.autograd_context import running_backward
+
+_METADATA_METHODS = frozenset({
+    "size", "numel", "dim", "stride", "element_size", "nelement", "is_contiguous", "data_ptr",
+    "storage_offset", "get_device", "is_floating_point", "is_complex", "register_hook",
+    "register_post_accumulate_grad_hook", "__len__", "__hash__", "__format__", "__repr__",
+})
+_VALUE_PROPERTIES = frozenset({"data"})
+
+
+def _reads_values(func: object) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _VALUE_PROPERTIES
+    return name not in _METADATA_METHODS
+
+
+class _ReadMode(TorchFunctionMode):
+    def __init__(self, reads: ParameterReads):
+        super().__init__()
+        self._reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        reads = self._reads
+        if not reads.in_forward and _reads_values(func) and not running_backward():
+            for leaf in tree_leaves((args, kwargs or {})):
+                if isinstance(leaf, torch.nn.Parameter):
+                    reads.note(leaf)
+        return func(*args, **(kwargs or {}))
+
+
+class ParameterReads:
+    """Records reads of prepared parameters outside the forward pass, between `start` and `stop`."""
+
+    def __init__(self, root: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
+        self._root = root
+        self._slot_of = {id(p): slot for slot, p in enumerate(params)}
+        self.before_forward: set[int] = set()
+        """Slots read after ``step()`` and before the next forward pass."""
+        self.after_forward: set[int] = set()
+        """Slots read after the forward pass, before the next ``step()``."""
+        self.in_forward = False
+        self._forward_ran = False
+        self._mode: _ReadMode | None = None
+        self._hooks: list = []
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def note(self, param: torch.nn.Parameter) -> None:
+        slot = self._slot_of.get(id(param))
+        if slot is not None:
+            (self.after_forward if self._forward_ran else self.before_forward).add(slot)
+
+    def start(self) -> None:
+        """Called at the end of ``step()``: watch until the next ``step()`` begins."""
+        if self._mode is not None:
+            return
+        self._forward_ran = self.in_forward = False
+        self._hooks = [
+            self._root.register_forward_pre_hook(self._enter_forward),
+            self._root.register_forward_hook(self._leave_forward, always_call=True),
+        ]
+        self._mode = _ReadMode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Stop watching (on the thread that started it)."""
+        mode = self._mode
+        if mode is None:
+            return
+        stack = _get_current_function_mode_stack()
+        if not stack or stack[-1] is not mode:
+            return  # the loop entered a mode of its own meanwhile; try again at the next stop
+        mode.__exit__(None, None, None)
+        self._mode = None
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _enter_forward(self, module: torch.nn.Module, args: object) -> None:
+        if not running_backward():
+            self.in_forward = True
+
+    def _leave_forward(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if not running_backward():
+            self.in_forward = False
+            self._forward_ran = True
