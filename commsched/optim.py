@@ -1,13 +1,15 @@
-"""What a prepared optimizer gains: steps on averaged gradients, and ``synchronize()``."""
+"""What a prepared optimizer gains: steps on averaged gradients, ``synchronize()``, and plain copies."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import copy
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
 from commsched.foreign_optimizers import user_synchronized
 from commsched.lifecycle import Lifecycle
+from commsched.update.kinds import user_class
 
 if TYPE_CHECKING:
     from commsched.reducer import GradientReducer
@@ -68,3 +70,32 @@ class CommschedOptimizer:
         self.synchronize()
         super().load_state_dict(state_dict)  # type: ignore[misc]
         self._commsched_reducer.after_optimizer_load()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
+        """A plain copy: the user's optimizer class, with its state and param groups, without commsched.
+
+        The reducer holds process groups, which cannot be copied. Pending updates
+        run first (and, with parameter servers, their state is fetched, as for
+        ``state_dict()``), so the copy holds the state ``step()`` made. As torch
+        does, parameters are copied through ``memo``: deep-copied together with
+        the model (``copy.deepcopy({"model": model, "opt": opt})``), the copy
+        steps the copied model's parameters. The original keeps training.
+        """
+        self._commsched_reducer.before_optimizer_state_dict()
+        cls = user_class(self)  # type: ignore[arg-type]
+        plain = cls.__new__(cls)
+        memo[id(self)] = plain
+        plain.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return plain
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Whole-optimizer pickling (``torch.save(opt)``) stores a plain optimizer of the user's class.
+
+        The mixed class cannot be found by name when loading, and the reducer
+        cannot be pickled. State and parameters are pickled as they are, after
+        pending updates; a model pickled in the same file shares its parameters.
+        """
+        self._commsched_reducer.before_optimizer_state_dict()
+        cls = user_class(self)  # type: ignore[arg-type]
+        # Not copyreg.__newobj__: pickle lets it rebuild only the pickled object's own (mixed) class.
+        return (cls.__new__, (cls,), self.__getstate__())

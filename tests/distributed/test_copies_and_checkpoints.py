@@ -323,3 +323,167 @@ def test_checkpoint_restart_continues_exactly(ranks, tmp_path):
     ranks(uninterrupted, WORLD_SIZE, directory, timeout_s=180)
     ranks(save_checkpoints, WORLD_SIZE, directory, timeout_s=180)
     ranks(resume_from_checkpoints, WORLD_SIZE, directory, timeout_s=240)
+
+
+# ------------------------------------------------------- optimizer copies
+
+
+OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
+
+def assert_plain_optimizer(copied, optimizer_name):
+    """torch.optim's own class (so not commsched's mixed one), and no reducer."""
+    assert type(copied) is OPTIMIZER_CLASSES[optimizer_name], type(copied)
+    assert "_commsched_reducer" not in vars(copied)
+
+
+def assert_same_optimizer_state(actual, expected, what):
+    """Same hyper-parameters, and per parameter (matched by position) the same state."""
+    assert len(actual.param_groups) == len(expected.param_groups)
+    for group, reference_group in zip(actual.param_groups, expected.param_groups, strict=True):
+        assert {k: v for k, v in group.items() if k != "params"} == {
+            k: v for k, v in reference_group.items() if k != "params"}, what
+        for index, (param, reference_param) in enumerate(zip(group["params"], reference_group["params"], strict=True)):
+            state, reference_state = actual.state.get(param, {}), expected.state.get(reference_param, {})
+            assert set(state) == set(reference_state), f"{what}, parameter {index}: {set(state)} != {set(reference_state)}"
+            for key, value in reference_state.items():
+                torch.testing.assert_close(torch.as_tensor(state[key]).to(torch.as_tensor(value).dtype),
+                                           torch.as_tensor(value), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{what}, parameter {index}, state '{key}': {m}")
+
+
+def optimizer_tensors(optimizer):
+    return [t.detach().clone() for state in optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def train_until_copy(optimizer_name, rank, world_size):
+    """Train past warm-up; return right after the last step(), with its updates pending."""
+    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
+    model, optimizer = commsched.prepare(model, optimizer)
+    scheduler, reference_scheduler = make_scheduler(optimizer), make_scheduler(reference_optimizer)
+    data = list(batches(world_size, ITERATIONS))
+    for iteration, (x, y) in enumerate(data[:COPY_AT + 1]):
+        if iteration:
+            optimizer.zero_grad()
+        mine = rank_slice(rank)
+        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+        optimizer.step()
+        scheduler.step()
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+        reference_scheduler.step()
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    stale = [p.detach().clone() for p in model.parameters()], optimizer_tensors(optimizer)
+    return model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, stale
+
+
+def assert_optimizer_waited(copied, stale_tensors):
+    assert any(not torch.equal(c, s) for c, s in zip(optimizer_tensors(copied), stale_tensors, strict=True)), (
+        "no optimizer update was pending before the copy: the case tests nothing"
+    )
+
+
+def train_rest(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, rank,
+               world_size):
+    """The original trains on after the copy, exactly."""
+    for iteration, (x, y) in enumerate(data[COPY_AT + 1:], start=COPY_AT + 1):
+        optimizer.zero_grad()
+        mine = rank_slice(rank)
+        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+        optimizer.step()
+        scheduler.step()
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+        reference_scheduler.step()
+    optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+    assert_same_optimizer_state(optimizer, reference_optimizer, "the original after training on")
+
+
+def case_optimizer_deepcopy(rank, world_size, optimizer_name):
+    (model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data,
+     (stale_params, stale_state)) = train_until_copy(optimizer_name, rank, world_size)
+    copied = copy.deepcopy(optimizer)
+    assert_plain_optimizer(copied, optimizer_name)
+    assert_optimizer_waited(copied, stale_state)
+    assert_same_optimizer_state(copied, reference_optimizer, "copy against single-process training")
+    params = [p for group in copied.param_groups for p in group["params"]]
+    assert all(type(p) is torch.nn.Parameter and not p._post_accumulate_grad_hooks for p in params)
+    assert not any(p is q for p, q in zip(params, model.parameters()))
+    assert any(not torch.equal(p, s) for p, s in zip(params, stale_params, strict=True))
+    for p, e in zip(params, reference_optimizer.param_groups[0]["params"], strict=True):
+        torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-5)
+    # The copy is an optimizer of its own: it steps its own parameters, not the model's.
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    copied.step()
+    copied.state_dict()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    train_rest(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, rank,
+               world_size)
+
+
+def case_deepcopy_optimizer_with_model(rank, world_size):
+    """In one deepcopy, the optimizer first: both copies are current, and the copied optimizer
+    steps the copied model's parameters."""
+    (model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data,
+     (stale_params, stale_state)) = train_until_copy("adam", rank, world_size)
+    copies_ = copy.deepcopy({"opt": optimizer, "model": model})
+    copied_optimizer, copied_model = copies_["opt"], copies_["model"]
+    assert_plain_optimizer(copied_optimizer, "adam")
+    assert_plain(copied_model)
+    assert_optimizer_waited(copied_optimizer, stale_state)
+    assert_waited(copied_model, stale_params)
+    assert_same_parameters(copied_model, reference)
+    assert_same_optimizer_state(copied_optimizer, reference_optimizer, "copy against single-process training")
+    copied_params = copied_optimizer.param_groups[0]["params"]
+    assert len(copied_params) == len(list(copied_model.parameters()))
+    assert all(p is q for p, q in zip(copied_params, copied_model.parameters(), strict=True)), (
+        "the copied optimizer does not hold the copied model's parameters"
+    )
+    # The pair trains on locally as single-process training, with the reference pair copied the same way.
+    twin = copy.deepcopy({"opt": reference_optimizer, "model": reference})
+    for iteration, (x, y) in enumerate(data[COPY_AT + 1:COPY_AT + 3], start=COPY_AT + 1):
+        for pair in (copies_, twin):
+            pair["opt"].zero_grad()
+            reference_step(pair["model"], pair["opt"], x, y, iteration, world_size)
+    assert_same_parameters(copied_model, twin["model"])
+    train_rest(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, rank,
+               world_size)
+
+
+def case_optimizer_pickled(rank, world_size):
+    (model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data,
+     (stale_params, stale_state)) = train_until_copy("adam", rank, world_size)
+    buffer = io.BytesIO()
+    torch.save(optimizer, buffer)
+    assert b"commsched" not in buffer.getvalue(), "the file names commsched: it needs commsched to load"
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_plain_optimizer(loaded, "adam")
+    assert_optimizer_waited(loaded, stale_state)
+    assert_same_optimizer_state(loaded, reference_optimizer, "loaded against single-process training")
+    # Saved together, the loaded optimizer holds the loaded model's parameters.
+    buffer = io.BytesIO()
+    torch.save({"model": model, "opt": optimizer}, buffer)
+    buffer.seek(0)
+    both = torch.load(buffer, weights_only=False)
+    assert_plain(both["model"])
+    assert_plain_optimizer(both["opt"], "adam")
+    assert all(p is q for p, q in zip(both["opt"].param_groups[0]["params"], both["model"].parameters(), strict=True))
+    assert_same_parameters(both["model"], reference)
+    train_rest(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, rank,
+               world_size)
+
+
+def optimizer_copies(rank: int, world_size: int) -> None:
+    run_subtests({
+        "deepcopy(opt)/sgd": functools.partial(case_optimizer_deepcopy, rank, world_size, "sgd"),
+        "deepcopy(opt)/adam": functools.partial(case_optimizer_deepcopy, rank, world_size, "adam"),
+        "deepcopy({opt, model})": functools.partial(case_deepcopy_optimizer_with_model, rank, world_size),
+        "torch.save(opt)": functools.partial(case_optimizer_pickled, rank, world_size),
+    })
+
+
+def test_copies_of_a_prepared_optimizer(ranks):
+    ranks(optimizer_copies, WORLD_SIZE, timeout_s=240)
