@@ -136,11 +136,15 @@ class BackwardPass:
         if self._pending[bucket] == 0 and bucket not in self._held:
             self._bucket_ready(bucket)
 
-    def end_backward(self) -> None:
-        """The autograd engine is done: settle the parameters that got no gradient, issue the rest."""
+    def end_backward(self, without_gradients: bool = False) -> None:
+        """The autograd engine is done: settle the parameters that got no gradient, issue the rest.
+
+        ``without_gradients``: this rank contributes nothing (it shadows the
+        others' iteration; see [Note: uneven inputs] in `commsched.reducer`).
+        """
         self._dispatcher.end_backward()
         if not all(self._ready):
-            self._resolve_unready_parameters()
+            self._resolve_unready_parameters(without_gradients)
         flags = self._layout.flags_bucket
         for bucket in sorted(self._held - {flags}):
             self._bucket_ready(bucket)
@@ -168,13 +172,13 @@ class BackwardPass:
         self._events.partition_issued(partition, handle)
         return handle
 
-    def _resolve_unready_parameters(self) -> None:
+    def _resolve_unready_parameters(self, without_gradients: bool) -> None:
         layout = self._layout
         for slot, ready in enumerate(self._ready):
             if ready:
                 continue
             param, view = layout.params[slot], layout.views[slot]
-            grad = param.grad
+            grad = None if without_gradients else param.grad
             if grad is None:
                 view.zero_()
                 self._unowned_slots.append(slot)

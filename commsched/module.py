@@ -10,7 +10,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from commsched.join import ShadowIterations, check_join_supported
 from commsched.update.kinds import USER_CLASS_ATTRIBUTE
 
 if TYPE_CHECKING:
@@ -23,10 +25,25 @@ class CommschedModule:
     """Mixed into the class of a prepared model (the model object itself is kept).
 
     The model stays the user's own module: same attributes, same ``state_dict``
-    keys, no ``.module`` indirection.
+    keys, no ``.module`` indirection. It is a ``Joinable`` (registered, not
+    inherited: the mixed class must keep the model's object layout): pass it to
+    torch's ``Join`` for uneven inputs (see [Note: uneven inputs] in `commsched.join`).
     """
 
     _commsched_reducer: GradientReducer
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        reducer = self._commsched_reducer
+        check_join_supported(reducer)
+        return ShadowIterations(reducer)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._commsched_reducer.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._commsched_reducer.join_process_group
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -109,3 +126,6 @@ def _is_commsched_hook(hook: object) -> bool:
     """Hooks commsched registers (reducer, gates, first forward, trace) are defined in its package."""
     defined_in = getattr(hook, "__module__", None) or ""
     return defined_in == _PACKAGE or defined_in.startswith(_PACKAGE + ".")
+
+
+Joinable.register(CommschedModule)

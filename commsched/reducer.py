@@ -28,10 +28,13 @@ import torch.distributed as dist
 from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
+from torch.distributed.algorithms.join import Join
+
 from commsched.consistency import broadcast_from_rank0
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
 from commsched.gates import ForwardGates
+from commsched.join import broadcast_from, highest_rank_still_training
 from commsched.guards import (
     BACKWARD_UNFINISHED, GRADIENTS_CHANGED_REASON, ParameterFingerprint, check_gradient_kind,
     gradients_touched_error, synchronize_during_backward_error,
@@ -217,8 +220,11 @@ class GradientReducer:
             self._build(list(range(len(self._params))), set())
         self._phase = Phase.BACKWARD if synchronised else Phase.ACCUMULATING
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if not synchronised:
-            return
+        if synchronised:
+            self._begin_pass()
+
+    def _begin_pass(self) -> None:
+        """A new synchronised iteration: agree on the plan after warm-up, start a `BackwardPass`."""
         iteration = 0 if self.current is None else self.current.iteration + 1
         new_order = self._finish_warmup() if iteration == WARMUP_ITERATIONS else None
         self.transport.begin_iteration(iteration, new_order)
@@ -262,14 +268,11 @@ class GradientReducer:
         if self._phase is not Phase.IDLE:
             raise RuntimeError(BACKWARD_UNFINISHED)
         self._fingerprint.check()
-        if (
-            self.strategy.broadcast_buffers and self.transport.world_size > 1
-            and self._sync_enabled and torch.is_grad_enabled()
-        ):
-            # Looked up each time: a buffer may be replaced by a new tensor between iterations.
-            buffers = [b for m in self._modules for b in m._buffers.values() if b is not None]
-            if buffers:
-                broadcast_from_rank0(buffers, self.buffer_group, self.strategy.timeout_s)
+        if self._sync_enabled and torch.is_grad_enabled():
+            if self.join_enabled:
+                # [Note: uneven inputs] Ranks that ran out of batches count this iteration.
+                Join.notify_join_context(module)
+            self._broadcast_buffers(training=True)
         if self.layout is None and torch.is_grad_enabled() and self._first_forward is None:
             self._first_forward = FirstForward(self.module, self._params, self._after_first_forward)
 
@@ -278,6 +281,62 @@ class GradientReducer:
         current = self.current
         if current is not None and current.outstanding and not running_backward():
             current.complete_buckets(self.updated_after_forward)
+
+    def _broadcast_buffers(self, training: bool) -> None:
+        """Rank 0's buffers everywhere; under ``Join``, those of the highest rank still ``training``."""
+        if not (self.strategy.broadcast_buffers and self.transport.world_size > 1):
+            return
+        # Looked up each time: a buffer may be replaced by a new tensor between iterations.
+        buffers = [b for m in self._modules for b in m._buffers.values() if b is not None]
+        if not buffers:
+            return
+        group, timeout_s = self.buffer_group, self.strategy.timeout_s
+        if self.join_enabled:
+            broadcast_from(buffers, highest_rank_still_training(training, group, timeout_s), group, timeout_s)
+        else:
+            broadcast_from_rank0(buffers, group, timeout_s)
+
+    # ------------------------------------------------------------ uneven inputs
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """Join's count of the ranks still training goes here: beside the gradients, not behind them."""
+        return self.buffer_group
+
+    @property
+    def join_device(self) -> torch.device:
+        if dist.get_backend(self.join_process_group) == "nccl":
+            return self._params[0].device
+        return torch.device("cpu")
+
+    @property
+    def join_enabled(self) -> bool:
+        config = getattr(self.module, "_join_config", None)
+        return config is not None and config.enable
+
+    def shadow_iteration(self) -> None:
+        """[Note: uneven inputs] On a rank out of batches: one iteration of the others' collectives.
+
+        The forward pass's buffer broadcast, then a backward pass with no
+        gradient (zeros, flagged unused), issued in plan order and waited for;
+        no update, as torch DDP's joined ranks do.
+        """
+        if self.layout is None:
+            raise RuntimeError(
+                "this rank ran out of batches before its first iteration, while the others train; "
+                "commsched learns the bucket layout from the first iteration, so every rank needs at "
+                "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
+            )
+        self._broadcast_buffers(training=False)
+        self.synchronize()
+        self._phase = Phase.BACKWARD
+        try:
+            self._begin_pass()
+            current = self.current
+            current.end_backward(without_gradients=True)
+            self._events.backward_finished()
+            current.complete_all()
+        finally:
+            self._phase = Phase.IDLE
 
     def _after_first_forward(self, order: list[int], used_before_owner: set[int]) -> None:
         self._first_forward = None

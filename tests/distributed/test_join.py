@@ -1,0 +1,123 @@
+"""Uneven inputs under torch's ``Join``: the same parameters as torch DDP under ``Join``, no hang."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.testing import run_ranks, run_subtests
+from commsched.testing.models import BatchNormNet, ParityNet
+from tests.distributed.test_ps import prepare_or_serve
+
+pytestmark = pytest.mark.distributed
+
+
+def batch_counts(world_size: int) -> list[int]:
+    """Rank 0 runs the most batches, the last rank the fewest (past warm-up and the plan)."""
+    return [8 - 2 * rank for rank in range(world_size)]
+
+
+def batches_of(rank: int, count: int, shape: tuple[int, ...], classes: int | None):
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(count):
+        x = torch.randn(4, *shape, generator=generator)
+        y = (torch.randint(0, classes, (4,), generator=generator) if classes
+             else torch.randn(4, 4, generator=generator))
+        yield x, y
+
+
+def loss_of(model, x, y, classes):
+    out = model(x)
+    return F.cross_entropy(out, y) if classes else F.mse_loss(out, y)
+
+
+def train_under_join(model, optimizer, rank, world_size, shape, classes):
+    with Join([model]):
+        for x, y in batches_of(rank, batch_counts(world_size)[rank], shape, classes):
+            loss_of(model, x, y, classes).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def case_same_as_ddp(rank, world_size, strategy, model_kind):
+    def case() -> None:
+        torch.manual_seed(0)
+        if model_kind == "batchnorm":
+            model, shape, classes = BatchNormNet(), (1, 6, 6), 3
+        else:
+            model, shape, classes = ParityNet(), (8,), None
+        reference = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=model_kind == "parity")
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = commsched.prepare(model, optimizer, strategy)
+        train_under_join(model, optimizer, rank, world_size, shape, classes)
+        optimizer.synchronize()
+        with Join([reference]):
+            for x, y in batches_of(rank, batch_counts(world_size)[rank], shape, classes):
+                loss_of(reference, x, y, classes).backward()
+                reference_optimizer.step()
+                reference_optimizer.zero_grad()
+        for (name, got), want in zip(model.state_dict().items(), reference.module.state_dict().values(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        commsched.release(model)
+
+    return case
+
+
+def case_early_termination_raises_everywhere(rank, world_size):
+    def case() -> None:
+        torch.manual_seed(0)
+        model = ParityNet()
+        model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        with pytest.raises(RuntimeError, match="exhausted"):
+            with Join([model], throw_on_early_termination=True):
+                for x, y in batches_of(rank, batch_counts(world_size)[rank], (8,), None):
+                    loss_of(model, x, y, None).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+        commsched.release(model)
+
+    return case
+
+
+def uneven_inputs(rank: int, world_size: int) -> None:
+    cases = {}
+    for label, strategy in (("default", commsched.Strategy()),
+                            ("no_overlap", commsched.Strategy(overlap_forward=False)),
+                            ("unscheduled", commsched.Strategy(priority=False, partition_mb=None, credit_mb=None,
+                                                               overlap_forward=False, fuse_optimizer=False))):
+        for model_kind in ("parity", "batchnorm"):
+            cases[f"{label} {model_kind}"] = case_same_as_ddp(rank, world_size, strategy, model_kind)
+    cases["throw_on_early_termination"] = case_early_termination_raises_everywhere(rank, world_size)
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_inputs_under_join_match_ddp(world_size):
+    run_ranks(uneven_inputs, world_size, timeout_s=300)
+
+
+def join_refused_with_parameter_servers(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = ParityNet()
+    prepared = prepare_or_serve(model, torch.optim.SGD(model.parameters(), lr=0.05), num_servers=1)
+    if prepared is None:
+        return
+    model, optimizer = prepared
+    for x, y in batches_of(rank, 2, (8,), None):
+        loss_of(model, x, y, None).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"Join \(uneven inputs\) is not supported with .*ParameterServer"):
+        Join([model])
+    commsched.release(model)
+
+
+def test_join_is_refused_with_parameter_servers():
+    run_ranks(join_refused_with_parameter_servers, 3, timeout_s=120)
