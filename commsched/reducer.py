@@ -469,6 +469,9 @@ class GradientReducer:
         self._hooks.clear()
         if self._gates is not None:
             self._gates.remove()
+        if self._reads is not None:
+            self._reads.stop()
+            self._reads = None
         self.lifecycle = Lifecycle.RELEASED
 
     def shut_down(self) -> None:
