@@ -13,7 +13,14 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from commsched.consistency import broadcast_from_rank0, describe_tensor, verify_same_across_ranks
+from commsched.consistency import (
+    broadcast_from_rank0,
+    checks_entry,
+    describe_setup,
+    describe_tensor,
+    verify_same_across_ranks,
+    verify_setup_across_ranks,
+)
 from commsched.foreign_optimizers import watch_foreign_optimizers
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
@@ -95,17 +102,44 @@ def _agree(
     strategy: Strategy,
     process_group: dist.ProcessGroup | None,
 ) -> dist.ProcessGroup:
-    """Validate, check that every rank has the same model, copy rank 0's values."""
-    if optimizer is not None:
-        _check_optimizer(model, optimizer)
+    """Validate, check that every rank has the same model and setup, copy rank 0's values.
+
+    A check that fails on this rank alone is first told to the others, so that
+    every rank raises instead of the others waiting for it. The model is
+    compared first: a parameter missing on one rank would otherwise show as a
+    different optimizer.
+    """
     group = _resolve_process_group(process_group)
-    if strategy.parameter_server:
-        check_parameter_server_setup(optimizer, group)
+    try:
+        _check_locally(model, optimizer, strategy, group)
+        setup = [checks_entry(None), *describe_setup(strategy, model, optimizer)]
+        problem = None
+    except Exception as error:  # noqa: BLE001 - the other ranks must hear of any failure
+        setup, problem = [checks_entry(error)], error
     descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
     descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
-    verify_same_across_ranks(descriptions, group)
-    broadcast_from_rank0([*model.parameters(), *model.buffers()], group)
+    verify_same_across_ranks(descriptions, group, strategy.timeout_s)
+    verify_setup_across_ranks(setup, group, strategy.timeout_s)
+    if problem is not None:
+        raise problem
+    broadcast_from_rank0([*model.parameters(), *model.buffers()], group, strategy.timeout_s)
     return group
+
+
+def _check_locally(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy, group: dist.ProcessGroup
+) -> None:
+    """What this rank can check without the others."""
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
+    if strategy.parameter_server:
+        check_parameter_server_setup(optimizer, group)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"the model ({type(model).__name__}) has no parameter with requires_grad=True, so there is "
+            "nothing to average or update: unfreeze the parameters to train (param.requires_grad_(True)), "
+            "or use the model without commsched.prepare() (e.g. for evaluation, each rank runs it as is)"
+        )
 
 
 def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> ParameterServer:

@@ -9,6 +9,27 @@ from dataclasses import dataclass, fields
 
 MIB = 1024 * 1024
 
+MIN_BUCKET_MB = 1 / MIB
+"""Smallest bucket limit, one byte: limits are whole bytes, and a tensor larger
+than the limit gets a bucket of its own (one bucket per tensor)."""
+
+MIN_PARTITION_MB = 256 / MIB
+"""Smallest partition and credit window, 256 bytes: each partition costs a
+collective and a scheduling decision, so smaller ones only add overhead."""
+
+MAX_SIZE_MB = 1024 * 1024
+"""Largest size in MiB (1 TiB): more than any bucket, partition or window can hold."""
+
+MIN_TIMEOUT_S = 1.0
+"""Shortest timeout: the collectives at prepare() and in the first iterations
+take a good fraction of a second on a busy host, and a timeout below a
+millisecond would round to none at all."""
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest timeout, a week: far beyond any real wait, and representable by
+every wait commsched makes (``datetime.timedelta``, ``threading``'s
+``TIMEOUT_MAX`` and torch's nanosecond durations)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AllReduce:
@@ -60,11 +81,13 @@ class Strategy:
     bucket_cap_mb: float = 25.0
     """Size limit of a gradient bucket, in MiB (as torch DDP's ``bucket_cap_mb``).
     Larger buckets mean fewer, larger all-reduces; smaller ones start
-    communication earlier in the backward pass."""
+    communication earlier in the backward pass. From one byte (`MIN_BUCKET_MB`)
+    to 1 TiB."""
 
     first_bucket_mb: float = 1.0
     """Size limit of the first bucket, in MiB: the gradients produced first in the
-    backward pass go out in a small bucket so communication starts early."""
+    backward pass go out in a small bucket so communication starts early. From
+    one byte to 1 TiB."""
 
     broadcast_buffers: bool = True
     """Broadcast the module's buffers (e.g. BatchNorm running statistics) from
@@ -80,13 +103,14 @@ class Strategy:
     partition_mb: float | None = 1.0
     """The unit on the wire, in MiB: buckets are cut into zero-copy slices of about
     this size (at most 1.5 times it) so an urgent partition can overtake a large
-    bucket between two of its slices. ``None`` sends each bucket whole."""
+    bucket between two of its slices. ``None`` sends each bucket whole. From 256
+    bytes (`MIN_PARTITION_MB`) to 1 TiB."""
 
     credit_mb: float | None = 4.0
     """Most bytes in flight during the backward pass, in MiB: a partition is
     issued only if it fits (one larger than the window goes alone), which keeps
     the queue short enough for urgent partitions to overtake. ``None`` issues
-    everything as soon as the agreed order allows."""
+    everything as soon as the agreed order allows. From 256 bytes to 1 TiB."""
 
     overlap_forward: bool = True
     """Let the next forward pass start before all reductions are done:
@@ -104,13 +128,18 @@ class Strategy:
     """Write a timeline per rank (``rank<N>.json``, Chrome trace format) into this
     directory: forward and backward per module, per partition its queue and wire
     time, per bucket its update, and every wait on communication. Read it with
-    ``commsched trace-report DIR`` or Perfetto. Off (None) it costs nothing."""
+    ``commsched trace-report DIR`` or Perfetto. Off (None) it costs nothing.
+    A non-empty path (``str`` or ``os.PathLike``), created by ``prepare()`` if
+    missing. The only field that may differ across ranks (e.g. a local disk per
+    host); every other one must be equal on every rank, which ``prepare()``
+    checks."""
 
     timeout_s: float = 300.0
     """Longest wait, in seconds, for one gradient reduction (or for one of the few
     collectives that agree on the order and the plan). A peer that died or
     stopped participating gives a ``CommunicationTimeout`` naming what was
-    waited for instead of a hang."""
+    waited for instead of a hang. From 1 s to a week (`MIN_TIMEOUT_S`,
+    `MAX_TIMEOUT_S`)."""
 
     backend: AllReduce | ParameterServer | str = AllReduce()
     """What carries the gradients: ``AllReduce()`` (every rank trains, gradients
@@ -131,15 +160,12 @@ class Strategy:
     """Deprecated input, with ``backend="ps"``: ``ParameterServer(max_staleness=...)``. Always None once built."""
 
     def __post_init__(self) -> None:
-        _check_positive_finite("bucket_cap_mb", self.bucket_cap_mb)
-        _check_positive_finite("first_bucket_mb", self.first_bucket_mb)
-        _check_positive_finite("timeout_s", self.timeout_s)
-        _check_positive_finite("partition_mb", self.partition_mb, optional=True)
-        _check_positive_finite("credit_mb", self.credit_mb, optional=True)
-        if self.trace_dir is not None and not isinstance(self.trace_dir, (str, os.PathLike)):
-            raise ValueError(
-                f"Strategy.trace_dir must be a directory path or None, got {self.trace_dir!r}"
-            )
+        _check_in_range("bucket_cap_mb", self.bucket_cap_mb, _BUCKET_MB)
+        _check_in_range("first_bucket_mb", self.first_bucket_mb, _BUCKET_MB)
+        _check_in_range("timeout_s", self.timeout_s, _TIMEOUT_S)
+        _check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
+        _check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
+        _check_directory("trace_dir", self.trace_dir)
         for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
         self._normalize_backend()
@@ -259,15 +285,47 @@ def _check_staleness(name: str, value: object) -> None:
         raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
 
 
-def _check_positive_finite(name: str, value: object, optional: bool = False) -> None:
+@dataclass(frozen=True)
+class _Range:
+    low: float
+    high: float
+    text: str
+    """The range as a reader wants it, with the unit."""
+
+
+_BUCKET_MB = _Range(MIN_BUCKET_MB, MAX_SIZE_MB, f"{MIN_BUCKET_MB!r} to {MAX_SIZE_MB} MiB (1 byte to 1 TiB)")
+_PARTITION_MB = _Range(MIN_PARTITION_MB, MAX_SIZE_MB, f"{MIN_PARTITION_MB!r} to {MAX_SIZE_MB} MiB (256 bytes to 1 TiB)")
+_TIMEOUT_S = _Range(MIN_TIMEOUT_S, MAX_TIMEOUT_S, f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (1 s to 7 days)")
+
+
+def _check_in_range(name: str, value: object, allowed: _Range, optional: bool = False) -> None:
     if optional and value is None:
         return
+    none = "None or " if optional else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         kind = "a number or None" if optional else "a number"
-        raise ValueError(f"Strategy.{name} must be {kind}, got {value!r} ({type(value).__name__})")
+        raise ValueError(
+            f"Strategy.{name} must be {kind}, got {value!r} ({type(value).__name__}); allowed: {none}{allowed.text}"
+        )
     if not (math.isfinite(value) and value > 0):
-        allowed = "None or finite and greater than 0" if optional else "finite and greater than 0"
-        raise ValueError(f"Strategy.{name} must be {allowed}, got {value!r}")
+        raise ValueError(
+            f"Strategy.{name} must be {none}finite and greater than 0, got {value!r}; allowed: {none}{allowed.text}"
+        )
+    if not allowed.low <= value <= allowed.high:
+        raise ValueError(f"Strategy.{name} must be {none}from {allowed.text}, got {value!r}")
+
+
+def _check_directory(name: str, value: object) -> None:
+    """None, or a path that names a directory: a non-empty ``str`` or ``os.PathLike`` of one."""
+    if value is None:
+        return
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path.strip() or "\0" in path:
+        why = "; an empty path would write into the working directory" if path == "" else ""
+        raise ValueError(
+            f"Strategy.{name} must be None or a directory path (a str or os.PathLike, not blank, without NUL), "
+            f"got {value!r} ({type(value).__name__}){why}"
+        )
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

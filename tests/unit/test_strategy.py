@@ -1,9 +1,16 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
+import pathlib
+import re
+import threading
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from commsched import AllReduce, ParameterServer, Strategy
 from commsched.strategy import MIB
@@ -130,3 +137,113 @@ def test_server_ranks_are_the_last_ones():
     assert is_server_rank(2, rank=4, world_size=5) and not is_server_rank(2, rank=2, world_size=5)
     with pytest.raises(ValueError, match=r"needs at least one worker besides the servers"):
         server_ranks(2, 2)
+
+
+RANGES = {
+    # field: (smallest, largest, the range as the error states it)
+    "bucket_cap_mb": (1 / MIB, 1024 * 1024, "9.5367431640625e-07 to 1048576 MiB (1 byte to 1 TiB)"),
+    "first_bucket_mb": (1 / MIB, 1024 * 1024, "9.5367431640625e-07 to 1048576 MiB (1 byte to 1 TiB)"),
+    "partition_mb": (256 / MIB, 1024 * 1024, "0.000244140625 to 1048576 MiB (256 bytes to 1 TiB)"),
+    "credit_mb": (256 / MIB, 1024 * 1024, "0.000244140625 to 1048576 MiB (256 bytes to 1 TiB)"),
+    "timeout_s": (1.0, 7 * 24 * 3600.0, "1 to 604800 seconds (1 s to 7 days)"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(RANGES))
+def test_numbers_have_a_range_and_its_ends_are_allowed(field):
+    low, high, allowed = RANGES[field]
+    assert getattr(Strategy(**{field: low}), field) == low
+    assert getattr(Strategy(**{field: high}), field) == high
+    for outside in (low / 2, math.nextafter(low, 0), math.nextafter(high, math.inf), high * 2):
+        with pytest.raises(ValueError) as error:
+            Strategy(**{field: outside})
+        assert str(error.value).startswith(f"Strategy.{field} must be ")
+        assert f"{allowed}, got {outside!r}" in str(error.value)
+
+
+@pytest.mark.parametrize("field", sorted(RANGES))
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, -math.inf, math.nan, "1"])
+def test_invalid_numbers_state_the_range(field, value):
+    with pytest.raises(ValueError, match=rf"Strategy\.{field} must be .*got {re.escape(repr(value))}.*; allowed: "
+                                         rf"(None or )?{re.escape(RANGES[field][2])}$"):
+        Strategy(**{field: value})
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from(sorted(RANGES)), value=st.floats(allow_nan=False, allow_infinity=False))
+def test_any_finite_number_is_either_in_range_or_refused_with_the_range(field, value):
+    low, high, allowed = RANGES[field]
+    if low <= value <= high:
+        assert getattr(Strategy(**{field: value}), field) == value
+        return
+    with pytest.raises(ValueError) as error:
+        Strategy(**{field: value})
+    message = str(error.value)
+    assert f"Strategy.{field}" in message and repr(value) in message and allowed in message
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"partition_mb": 1e-9}, r"Strategy.partition_mb must be None or from 0.000244140625 to 1048576 MiB"),
+    ({"credit_mb": 1e-9}, r"Strategy.credit_mb must be None or from 0.000244140625 to 1048576 MiB"),
+    ({"timeout_s": 1e15},
+     r"Strategy.timeout_s must be from 1 to 604800 seconds \(1 s to 7 days\), got 1000000000000000.0"),
+    ({"timeout_s": 1e-9}, r"Strategy.timeout_s must be from 1 to 604800 seconds \(1 s to 7 days\), got 1e-09"),
+    ({"bucket_cap_mb": 1e-300}, r"Strategy.bucket_cap_mb must be from 9.5367431640625e-07 to 1048576 MiB"),
+    ({"first_bucket_mb": 1e12}, r"Strategy.first_bucket_mb must be from .* \(1 byte to 1 TiB\), got 1000000000000.0"),
+])
+def test_values_that_used_to_fail_later_are_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Strategy(**kwargs)
+
+
+def test_the_longest_timeout_fits_every_wait():
+    """The bound is representable by each wait a Strategy.timeout_s reaches."""
+    from commsched.strategy import MAX_TIMEOUT_S
+
+    assert datetime.timedelta(seconds=MAX_TIMEOUT_S).total_seconds() == MAX_TIMEOUT_S
+    assert MAX_TIMEOUT_S <= threading.TIMEOUT_MAX
+    assert MAX_TIMEOUT_S * 1e9 < 2**63  # torch's durations are int64 nanoseconds
+    event = threading.Event()
+    event.set()
+    assert event.wait(timeout=MAX_TIMEOUT_S)  # accepted (no OverflowError), returns at once: it is set
+
+
+def test_trace_dir_must_be_a_usable_path_and_naming_one_creates_nothing(tmp_path, monkeypatch):
+    for bad in ("", "   ", b"trace", "tr\0ace", 3, ["trace"]):
+        with pytest.raises(ValueError, match=r"Strategy.trace_dir must be None or a directory path \(a str or "
+                                             r"os.PathLike, not blank, without NUL\), got "):
+            Strategy(trace_dir=bad)
+    with pytest.raises(ValueError, match=r"got '' \(str\); an empty path would write into the working directory"):
+        Strategy(trace_dir="")
+    monkeypatch.chdir(tmp_path)
+    for good in ("trace", "/tmp/commsched trace", pathlib.Path("trace/run1")):
+        assert Strategy(trace_dir=good).trace_dir == good
+    assert list(tmp_path.iterdir()) == []  # prepare() creates it, the Strategy only names it
+
+
+def test_every_field_but_trace_dir_must_agree_across_ranks():
+    """describe_setup is what ranks compare at prepare(): each field changes it, trace_dir never."""
+    from commsched.consistency import describe_setup
+
+    model = torch.nn.Linear(2, 2)
+    base = describe_setup(Strategy(), model, None)
+    assert describe_setup(Strategy(trace_dir="rank-local/trace"), model, None) == base
+    # numbers are compared by value: 25 and 25.0 agree
+    assert describe_setup(Strategy(bucket_cap_mb=25, timeout_s=300), model, None) == base
+    changed = {
+        "bucket_cap_mb": 5, "first_bucket_mb": 0.5, "broadcast_buffers": False, "priority": False,
+        "partition_mb": None, "credit_mb": None, "overlap_forward": False, "fuse_optimizer": False,
+        "timeout_s": 60, "backend": ParameterServer(),
+    }
+    compared = {f.name for f in dataclasses.fields(Strategy)} - {"trace_dir", "num_servers", "ps_mode",
+                                                                  "ps_max_staleness"}
+    assert set(changed) == compared, "a new Strategy field: decide whether ranks must agree on it"
+    for field, value in changed.items():
+        entries = describe_setup(Strategy(**{field: value}), model, None)
+        assert [e for e in entries if e not in base][0].startswith(f"Strategy.{field} = "), field
+    ps = describe_setup(Strategy(backend=ParameterServer()), model, None)
+    for field, value in {"num_servers": 2, "mode": "async"}.items():
+        entries = describe_setup(Strategy(backend=ParameterServer(**{field: value})), model, None)
+        assert [e for e in entries if e not in ps][0].startswith(f"Strategy.backend.{field} = "), field
+    stale = describe_setup(Strategy(backend=ParameterServer(mode="async", max_staleness=3)), model, None)
+    assert "Strategy.backend.max_staleness = 3" in stale
