@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
 
 from commsched.consistency import (
     broadcast_from_rank0,
@@ -72,10 +73,11 @@ def prepare(
     else:
         transport = AllReduceTransport(group, strategy.partition_bytes)
         reducer = GradientReducer(
-            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _buffer_group(strategy, group)
+            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _control_group(strategy, group)
         )
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
+    model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it
     if optimizer is not None:
         _mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
@@ -179,15 +181,17 @@ def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
     return model._commsched_reducer
 
 
-def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second group for buffer broadcasts, so they never queue behind gradients.
+def _control_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A second group for buffer broadcasts and Join's counts, so they never queue behind gradients.
 
     With forward overlap, gradient reductions are still in flight when the next
-    forward pass broadcasts buffers; on the same group the broadcast would wait
-    for all of them. Only made for the default group: ``new_group`` must be
-    entered by every process of the job.
+    forward pass broadcasts buffers (or counts the ranks still training, under
+    ``Join``); on the same group the broadcast would wait for all of them, and
+    an operation issued beside partitions still being issued could take a
+    different place on each rank. Only made for the default group:
+    ``new_group`` must be entered by every process of the job.
     """
-    if not (strategy.overlap_forward and strategy.broadcast_buffers):
+    if not strategy.overlap_forward:
         return None
     if dist.get_world_size(group) == 1 or group is not dist.group.WORLD:
         return None
