@@ -273,11 +273,10 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
             misuse(model, optimizer, x, y, rank)
         finally:
             finish(model)
-    if rank < workers:
-        model = fresh_pair("sgd")[0]
-        with pytest.raises(ValueError, match=r"supports torch.optim.SGD, Adam and AdamW only"):
-            commsched.prepare(model, torch.optim.RMSprop(model.parameters()),
-                              commsched.Strategy(backend=commsched.ParameterServer()))
+    model = fresh_pair("sgd")[0]  # every rank, servers too: the check's failure reaches them all
+    with pytest.raises(ValueError, match=r"supports torch.optim.SGD, Adam and AdamW only"):
+        commsched.prepare(model, torch.optim.RMSprop(model.parameters()),
+                          commsched.Strategy(backend=commsched.ParameterServer(num_servers=servers)))
 
 
 def case_async_training_converges(rank, world_size, servers):
