@@ -4,7 +4,9 @@
 communication thread. One still waiting for the interpreter lock while the
 process exits would be torn down mid-call, which aborts the process. Every
 callback commsched attaches goes through one `CallbackTracker`, and the
-reducer drains it when it is released and at exit.
+reducer drains it when it is released and at exit. After a communication
+failure it abandons it instead: operations a lost peer never joins would keep
+the exit waiting (see [Note: exit after a failure] in commsched/errors.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class CallbackTracker:
     def __init__(self) -> None:
         self._done = threading.Condition()
         self._pending = 0
+        self._running = 0
+        self._abandoned = False
 
     def when_complete(self, handle: Handle, callback: Callable[[], None]) -> None:
         """Run ``callback`` (on any thread) once ``handle`` has completed."""
@@ -28,17 +32,31 @@ class CallbackTracker:
             self._pending += 1
 
         def counted() -> None:
+            with self._done:
+                run = not self._abandoned
+                self._running += int(run)
             try:
-                callback()
+                if run:
+                    callback()
             finally:
                 with self._done:
                     self._pending -= 1
-                    if not self._pending:
-                        self._done.notify_all()
+                    self._running -= int(run)
+                    self._done.notify_all()
 
         handle.on_complete(counted)
 
     def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until every callback attached so far has run (at most ``timeout_s``)."""
+        """Wait until every callback attached so far has run (at most ``timeout_s``).
+
+        Once abandoned, only for those running now.
+        """
         with self._done:
-            self._done.wait_for(lambda: not self._pending, timeout=timeout_s)
+            self._done.wait_for(lambda: not (self._running if self._abandoned else self._pending),
+                                timeout=timeout_s)
+
+    def abandon(self) -> None:
+        """After a failure: callbacks still to come do nothing, and `drain` no longer waits for them."""
+        with self._done:
+            self._abandoned = True
+            self._done.notify_all()

@@ -460,9 +460,12 @@ class GradientReducer:
     # ----------------------------------------------------------------- the end
     def close(self) -> None:
         """Finish what is in flight, let go of peers and hooks: the model trains locally afterwards."""
+        from commsched.errors import communication_failed
+
         if self.lifecycle is Lifecycle.RELEASED:
             return
-        self.synchronize()
+        if not communication_failed():  # else nothing in flight will finish: see shut_down
+            self.synchronize()
         self.shut_down()
         for handle in self._hooks:
             handle.remove()
@@ -490,7 +493,17 @@ class GradientReducer:
         and the process aborts ("terminate called without an active exception")
         after a clean run. So at exit, while every thread can still run, the
         reducer lets go of its groups and such a group is freed there.
+
+        After a `CommunicationTimeout` in this process, nothing waits: callbacks
+        still to come are dropped and the groups are abandoned, never freed
+        (see [Note: exit after a failure] in commsched/errors.py).
         """
+        from commsched.errors import abandon_process_groups, communication_failed
+
+        if communication_failed():
+            self._tracker.abandon()
+            abandon_process_groups([self.process_group], abort=False)  # the caller's, or the job's default group
+            abandon_process_groups([self.buffer_group], abort=True)  # commsched's own, when it has one
         self.transport.finish()
         self._tracker.drain()
         if self.current is not None:

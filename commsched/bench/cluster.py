@@ -5,7 +5,8 @@ pair to a bridge that lives in a namespace of its own (the switch), so nothing
 outside the namespaces is touched. Both directions of every host's link are
 shaped with ``tc`` (``tbf`` for the rate; ``netem`` for delay and loss, where
 the kernel has it): the host's egress on ``eth0`` and the switch's egress
-towards the host. Needs root and iproute2.
+towards the host. `EmulatedCluster.cut_link` cuts a host off, for fault tests.
+Needs root and iproute2.
 
     with EmulatedCluster(2, LinkSpec(rate_mbit=250)) as cluster:
         procs = [cluster.popen(i, [sys.executable, "train.py"], cluster.torch_env(i)) for i in range(2)]
@@ -166,6 +167,12 @@ class EmulatedCluster:
                     )
                 if done.returncode != 0:
                     raise RuntimeError(f"tc qdisc add on {namespace}/{device} failed: {done.stderr.strip()}")
+
+    def cut_link(self, host: int) -> None:
+        """Take host ``host``'s link down at both ends, as a pulled cable: no error reaches anyone,
+        its connections stay open, and nothing more gets through in either direction."""
+        _run("ip", "-n", self.switch, "link", "set", f"p{host}", "down")
+        _run("ip", "-n", self.hosts[host], "link", "set", "eth0", "down")
 
     # ---------------------------------------------------------------- running
     def popen(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
