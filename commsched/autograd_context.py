@@ -28,14 +28,9 @@ _RUN_BACKWARD = _engine_run_backward.__code__
 _FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 
 
-def graph_task_id() -> int:
-    """The backward pass (graph task) running on this thread; -1 outside backward."""
-    return torch._C._current_graph_task_id()
-
-
 def running_backward() -> bool:
     """True inside a backward pass on this thread (so a forward call is a recomputation)."""
-    return graph_task_id() != -1
+    return torch._C._current_graph_task_id() != -1
 
 
 def inside_outer_backward() -> bool:

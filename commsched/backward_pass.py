@@ -24,8 +24,9 @@ block's gradients in a backward pass of its own, nested in the outer one; a
 parameter used both inside such a block and outside it (weight tying, a
 penalty) gets its gradient accumulated twice, once per pass, and its bucket
 must not go out before the second. The first pass of a model holds every bucket
-until the end of backward and notes which parameters got gradients from a
-nested pass; later passes hold only those buckets. A second accumulation into
+until the end of backward and notes which parameters got their gradient twice;
+later passes hold only their buckets, so the per-gradient path checks nothing
+more than a flag it reads anyway. A second accumulation into
 a bucket already issued (a pattern first seen later) is an error that says so.
 """
 
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from commsched.autograd_context import graph_task_id
 from commsched.completion import CallbackTracker
 from commsched.dispatch import Dispatcher
 from commsched.events import Observer
@@ -107,9 +107,8 @@ class BackwardPass:
         self.figures = IterationFigures(iteration)
         self._held = (frozenset(range(num_buckets)) if held_buckets is None else held_buckets) | {layout.flags_bucket}
         """Buckets issued only when the backward pass ends; see [Note: nested backward passes]."""
-        self._graph_task = graph_task_id()
-        self.nested_slots: set[int] = set()
-        """Slots whose gradient came (also) from a backward pass nested in this one."""
+        self.repeated_slots: set[int] = set()
+        """Slots whose gradient was accumulated twice in this pass (a nested backward pass)."""
         self._dispatcher = Dispatcher(
             plan, self._launch, tracker, credit_from_completions=plan.credit_bytes is not None and not transport.is_local
         )
@@ -122,13 +121,11 @@ class BackwardPass:
     def gradient_ready(self, slot: int) -> None:
         """Parameter ``slot``'s gradient sits in its bucket; a complete bucket goes out."""
         bucket = self._layout.bucket_of[slot]
-        if graph_task_id() != self._graph_task:
-            self.nested_slots.add(slot)
         if self._ready[slot]:
             # Accumulated again, in place, in its bucket: right only if not issued yet.
             if bucket not in self._held:
                 raise RuntimeError(gradient_twice_error(self._layout.names[slot]))
-            self.nested_slots.add(slot)
+            self.repeated_slots.add(slot)
             return
         self._ready[slot] = True
         self.has_grad[slot] = True

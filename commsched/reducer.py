@@ -30,11 +30,11 @@ from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from torch.distributed.algorithms.join import Join
 
-from commsched.consistency import broadcast_from_rank0
+from commsched.consistency import broadcast_from, broadcast_from_rank0
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
 from commsched.gates import ForwardGates
-from commsched.join import broadcast_from, highest_rank_still_training
+from commsched.join import highest_rank_still_training
 from commsched.guards import (
     BACKWARD_UNFINISHED, GRADIENTS_CHANGED_REASON, ParameterFingerprint, check_gradient_kind,
     gradients_touched_error, synchronize_during_backward_error,
@@ -253,7 +253,7 @@ class GradientReducer:
             return
         current = self.current
         current.end_backward()
-        held = frozenset(self.layout.bucket_of[slot] for slot in current.nested_slots)
+        held = frozenset(self.layout.bucket_of[slot] for slot in current.repeated_slots)
         self._held_buckets = held if self._held_buckets is None else self._held_buckets | held
         if not current.overlapping:
             current.complete_all()
