@@ -230,7 +230,14 @@ def _gather_texts(text: str, group: dist.ProcessGroup, timeout_s: float | None, 
 def broadcast_from_rank0(
     tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, timeout_s: float | None = None
 ) -> None:
-    """Overwrite ``tensors`` with rank 0's values, one collective per dtype and device.
+    """Overwrite ``tensors`` with rank 0's values (see `broadcast_from`)."""
+    broadcast_from(tensors, 0, group, timeout_s)
+
+
+def broadcast_from(
+    tensors: Iterable[torch.Tensor], source: int, group: dist.ProcessGroup, timeout_s: float | None = None
+) -> None:
+    """Overwrite ``tensors`` with group rank ``source``'s values, one collective per dtype and device.
 
     With ``timeout_s``, a peer that never joins raises `CommunicationTimeout`.
     """
@@ -239,14 +246,15 @@ def broadcast_from_rank0(
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for tensor in tensors:
         by_kind[(tensor.dtype, tensor.device)].append(tensor)
-    is_source = dist.get_rank(group) == 0
+    is_source = dist.get_rank(group) == source
     for same_kind in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-        work = dist.broadcast(flat, group=group, group_src=0, async_op=True)
+        work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
         if timeout_s is None:
             work.wait()
         else:
-            wait_or_raise(work, timeout_s, f"the broadcast of {len(same_kind)} buffers from rank 0")
+            wait_or_raise(work, timeout_s, f"the broadcast of {len(same_kind)} tensors from rank {source}")
         if not is_source:
-            for tensor, chunk in zip(same_kind, flat.split([t.numel() for t in same_kind])):
-                tensor.copy_(chunk.view_as(tensor))
+            with torch.no_grad():
+                for tensor, chunk in zip(same_kind, flat.split([t.numel() for t in same_kind])):
+                    tensor.copy_(chunk.view_as(tensor))

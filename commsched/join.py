@@ -16,14 +16,13 @@ rank takes the parameters and buffers of one of the ranks that trained longest
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from commsched.consistency import broadcast_from
 from commsched.errors import wait_or_raise
 
 if TYPE_CHECKING:
@@ -70,19 +69,3 @@ def highest_rank_still_training(training: bool, group: dist.ProcessGroup, timeou
     work = dist.all_reduce(candidate, dist.ReduceOp.MAX, group=group, async_op=True)
     wait_or_raise(work, timeout_s, "the choice of the rank to copy buffers or parameters from (Join)")
     return int(candidate)
-
-
-@torch.no_grad()
-def broadcast_from(tensors: Iterable[torch.Tensor], source: int, group: dist.ProcessGroup, timeout_s: float) -> None:
-    """Overwrite ``tensors`` with rank ``source``'s values, one collective per dtype and device."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        by_kind[(tensor.dtype, tensor.device)].append(tensor)
-    for same_kind in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-        work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
-        wait_or_raise(work, timeout_s, "a broadcast of parameters or buffers (Join)")
-        offset = 0
-        for tensor in same_kind:
-            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
