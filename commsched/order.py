@@ -16,25 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from commsched.errors import wait_or_raise
-
-
-class _ParameterUseMode(TorchFunctionMode):
-    """Notes parameters passed to a torch function before any owner module ran."""
-
-    def __init__(self, recorder: ForwardRecorder):
-        super().__init__()
-        self._recorder = recorder
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        recorder = self._recorder
-        for leaf in tree_leaves((args, kwargs or {})):
-            if isinstance(leaf, torch.nn.Parameter):
-                recorder.note_use(leaf)
-        return func(*args, **(kwargs or {}))
+from commsched.parameter_use import ParameterUseMode
 
 
 class ForwardRecorder:
@@ -54,7 +38,7 @@ class ForwardRecorder:
         # hook would only run from the next call on: enter the root by hand.
         self._on_module_forward(root, ())
         self._handles = [m.register_forward_pre_hook(self._on_module_forward) for m in root.modules()]
-        self._mode = _ParameterUseMode(self)
+        self._mode = ParameterUseMode(self.note_use)
         self._mode.__enter__()
 
     def _on_module_forward(self, module: torch.nn.Module, args: object) -> None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from torch.utils._pytree import tree_leaves
+from torch.overrides import _get_current_function_mode_stack
 
 from commsched.autograd_context import running_backward
+from commsched.parameter_use import ParameterUseMode
 
 _METADATA_METHODS = frozenset({
     "size", "numel", "dim", "stride", "element_size", "nelement", "is_contiguous", "data_ptr",
@@ -39,20 +39,6 @@ def _reads_values(func: object) -> bool:
     return name not in _METADATA_METHODS
 
 
-class _ReadMode(TorchFunctionMode):
-    def __init__(self, reads: ParameterReads):
-        super().__init__()
-        self._reads = reads
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        reads = self._reads
-        if not reads.in_forward and _reads_values(func) and not running_backward():
-            for leaf in tree_leaves((args, kwargs or {})):
-                if isinstance(leaf, torch.nn.Parameter):
-                    reads.note(leaf)
-        return func(*args, **(kwargs or {}))
-
-
 class ParameterReads:
     """Records reads of prepared parameters outside the forward pass, between `start` and `stop`."""
 
@@ -65,7 +51,7 @@ class ParameterReads:
         """Slots read after the forward pass, before the next ``step()``."""
         self.in_forward = False
         self._forward_ran = False
-        self._mode: _ReadMode | None = None
+        self._mode: ParameterUseMode | None = None
         self._hooks: list = []
 
     @property
@@ -86,7 +72,7 @@ class ParameterReads:
             self._root.register_forward_pre_hook(self._enter_forward),
             self._root.register_forward_hook(self._leave_forward, always_call=True),
         ]
-        self._mode = _ReadMode(self)
+        self._mode = ParameterUseMode(self.note, self._watching)
         self._mode.__enter__()
 
     def stop(self) -> None:
@@ -102,6 +88,9 @@ class ParameterReads:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def _watching(self, func: object) -> bool:
+        return not self.in_forward and _reads_values(func) and not running_backward()
 
     def _enter_forward(self, module: torch.nn.Module, args: object) -> None:
         if not running_backward():
