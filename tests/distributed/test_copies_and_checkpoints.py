@@ -357,6 +357,17 @@ def optimizer_tensors(optimizer):
             if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
+def train_and_reference_step(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler,
+                             x, y, iteration, rank, world_size):
+    """One step of this rank's training and of the single-process reference (zero_grad left to the caller)."""
+    mine = rank_slice(rank)
+    F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+    optimizer.step()
+    scheduler.step()
+    reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    reference_scheduler.step()
+
+
 def train_until_copy(optimizer_name, rank, world_size):
     """Train past warm-up; return right after the last step(), with its updates pending."""
     model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
@@ -366,12 +377,8 @@ def train_until_copy(optimizer_name, rank, world_size):
     for iteration, (x, y) in enumerate(data[:COPY_AT + 1]):
         if iteration:
             optimizer.zero_grad()
-        mine = rank_slice(rank)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        scheduler.step()
-        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
-        reference_scheduler.step()
+        train_and_reference_step(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler,
+                                 x, y, iteration, rank, world_size)
     assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
     stale = [p.detach().clone() for p in model.parameters()], optimizer_tensors(optimizer)
     return model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler, data, stale
@@ -388,12 +395,8 @@ def train_rest(model, optimizer, scheduler, reference, reference_optimizer, refe
     """The original trains on after the copy, exactly."""
     for iteration, (x, y) in enumerate(data[COPY_AT + 1:], start=COPY_AT + 1):
         optimizer.zero_grad()
-        mine = rank_slice(rank)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        scheduler.step()
-        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
-        reference_scheduler.step()
+        train_and_reference_step(model, optimizer, scheduler, reference, reference_optimizer, reference_scheduler,
+                                 x, y, iteration, rank, world_size)
     optimizer.zero_grad()
     assert_same_parameters(model, reference)
     assert_same_optimizer_state(optimizer, reference_optimizer, "the original after training on")
