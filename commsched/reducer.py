@@ -52,6 +52,9 @@ from commsched.update.base import UpdatePolicy
 
 logger = logging.getLogger("commsched")
 
+FAILED_DRAIN_S = 2.0
+"""After a communication failure, how long the shutdown lets operations still in flight finish."""
+
 
 class GradientReducer:
     """Hooks, layout, lifecycle and the current backward pass of one prepared model."""
@@ -501,6 +504,11 @@ class GradientReducer:
         from commsched.errors import abandon_process_groups, communication_failed
 
         if communication_failed():
+            # A peer that is alive but out of step may still finish what is in flight:
+            # its callbacks must run now, while the interpreter can run them, not during
+            # its finalization (which aborts the process). A lost peer never finishes:
+            # wait a moment only, then stop waiting.
+            self._tracker.drain(timeout_s=FAILED_DRAIN_S)
             self._tracker.abandon()
             abandon_process_groups([self.process_group], abort=False)  # the caller's, or the job's default group
             abandon_process_groups([self.buffer_group], abort=True)  # commsched's own, when it has one
