@@ -71,7 +71,7 @@ def prepare(
             raise ServingFinished(side.serve())
         reducer = GradientReducer(model, strategy, side.transport, side.policy, side.worker_group, side.buffer_group)
     else:
-        transport = AllReduceTransport(group, strategy.partition_bytes)
+        transport = AllReduceTransport(group)
         reducer = GradientReducer(
             model, strategy, transport, LocalUpdate(optimizer, strategy), group, _control_group(strategy, group)
         )

@@ -14,11 +14,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from commsched.cost_model import Choice, Setting, Timeline, choose
 from commsched.errors import wait_or_raise
 from commsched.events import Observer
+from commsched.layout import GradLayout
 from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.strategy import Strategy
 from commsched.scheduler import LinkModel, Partition, Plan, robust_plan, simulate_schedule
 from commsched.transport.base import Handle
+
+CALIBRATION_BYTES = 8 * 2**20
+"""Largest all-reduce the cost model times to measure the link's bandwidth (once, at the end of warm-up)."""
 
 LINK_SAFETY_FACTOR = 0.8
 """Plan for a link this much slower than measured: a partition planned too late costs
@@ -29,33 +35,41 @@ class ReadyTimeProfile(Observer):
     """One rank's timeline of the warm-up backward passes (run without overlap).
 
     An observer of the core's events, recording iterations 1 to
-    ``WARMUP_ITERATIONS - 1`` (the first is slow): when each bucket became ready
-    (relative to the start of the backward pass), and how long the link took
-    from the first partition issued to the last one completed. The latter,
-    under the real load of training (computation competing with communication
-    for the same cores), is a better, and more cautious, estimate of the link
-    than an idle calibration.
+    ``WARMUP_ITERATIONS - 1`` (the first is slow): when each parameter's
+    gradient became ready (relative to the start of the backward pass), how long
+    the forward pass before it took, and how long the link took from the first
+    partition issued to the last one completed. The latter, under the real load
+    of training (computation competing with communication for the same cores),
+    is a better, and more cautious, estimate of the link for planning than an
+    idle calibration. Per parameter, not per bucket, so the timeline holds for
+    any bucket layout the cost model considers.
     """
 
-    def __init__(self, num_buckets: int):
-        self._num_buckets = num_buckets
+    def __init__(self, num_slots: int):
+        self._num_slots = num_slots
         self._ready: list[list[float]] = []
+        self._forward: list[float] = []
         self._transfers: list[tuple[int, float]] = []
         self._recording = False
         self._current: list[float] = []
-        self._start = self._first_launch = 0.0
+        self._start = self._first_launch = self._forward_start = 0.0
         self._bytes = 0
+
+    def forward_started(self) -> None:
+        self._forward_start = time.perf_counter()
 
     def iteration_started(self, iteration: int) -> None:
         self._recording = 0 < iteration < WARMUP_ITERATIONS
         if self._recording:
             self._start = time.perf_counter()
-            self._current = [0.0] * self._num_buckets
+            if self._forward_start:
+                self._forward.append(self._start - self._forward_start)
+            self._current = [0.0] * self._num_slots
             self._first_launch, self._bytes = 0.0, 0
 
-    def bucket_ready(self, bucket: int) -> None:
+    def gradient_ready(self, slot: int) -> None:
         if self._recording:
-            self._current[bucket] = time.perf_counter() - self._start
+            self._current[slot] = time.perf_counter() - self._start
 
     def partition_issued(self, partition: Partition, handle: Handle) -> None:
         if self._recording:
@@ -72,10 +86,13 @@ class ReadyTimeProfile(Observer):
         if self._bytes:
             self._transfers.append((self._bytes, time.perf_counter() - self._first_launch))
 
-    def median_ready_s(self) -> list[float]:
+    def median_slot_ready_s(self) -> list[float]:
         if not self._ready:
-            return [0.0] * self._num_buckets
+            return [0.0] * self._num_slots
         return [statistics.median(column) for column in zip(*self._ready)]
+
+    def median_forward_s(self) -> float:
+        return statistics.median(self._forward) if self._forward else 0.0
 
     def loaded_bytes_per_s(self) -> float | None:
         """Bytes over first-issue-to-last-completion time, median over iterations."""
@@ -84,21 +101,96 @@ class ReadyTimeProfile(Observer):
         return statistics.median(nbytes / max(seconds, 1e-9) for nbytes, seconds in self._transfers)
 
 
-def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
-    """Median time of a one-element all-reduce (collective: every rank calls it)."""
-    buffer = torch.zeros(1)
+def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: frozenset[int]) -> list[float]:
+    """When each bucket of ``layout`` is ready: its last gradient, or the end of the
+    backward pass for the flags bucket and ``held`` ones (issued only then)."""
+    end = max(slot_ready_s, default=0.0)
+    return [
+        end if b == layout.flags_bucket or b in held else max((slot_ready_s[s] for s in slots), default=0.0)
+        for b, slots in enumerate(layout.bucket_slots)
+    ]
+
+
+def _time_all_reduce(
+    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
+) -> float:
+    """Median time of an all-reduce of ``buffer`` (collective: every rank calls it)."""
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s,
-                      "the latency measurement before agreeing on a plan")
+                      what)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
+def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
+    """Median time of a one-element all-reduce (collective: every rank calls it)."""
+    return _time_all_reduce(torch.zeros(1), group, timeout_s, repeats,
+                            "the latency measurement before agreeing on a plan")
+
+
+def measure_link(group: dist.ProcessGroup, nbytes: int, latency_s: float, timeout_s: float) -> LinkModel:
+    """An all-reduce's cost as ``a + n / b``, fitted to two sizes (``nbytes``, capped at
+    `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
+
+    ``a`` is the fixed cost of one collective at the sizes partitions have (the
+    host's work and the link's latency), often well above a one-element round
+    trip, and never taken below ``latency_s``, that round trip.
+    """
+    large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
+    small = large // 8
+    what = "the link measurement before choosing the partitioning"
+    small_s = _time_all_reduce(torch.zeros(small // 4), group, timeout_s, 3, what)
+    large_s = _time_all_reduce(torch.zeros(large // 4), group, timeout_s, 3, what)
+    bytes_per_s = (large - small) / max(large_s - small_s, 1e-9)
+    fixed_s = max(large_s - large / bytes_per_s, latency_s)
+    return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s)
+
+
+def choose_on_rank0(
+    configured: Setting,
+    layout: GradLayout,
+    profile: ReadyTimeProfile,
+    strategy: Strategy,
+    group: dist.ProcessGroup,
+) -> tuple[Choice, float]:
+    """Rank 0 runs the cost model; every rank gets its setting. See [Note: the cost model].
+
+    Collective. Returns rank 0's `Choice` (on other ranks, its setting only)
+    and a one-element all-reduce's time as this rank measured it (for the plan).
+    """
+    latency_s = measure_latency(group, strategy.timeout_s)
+    link = measure_link(group, sum(b.nbytes for b in layout.buckets), latency_s, strategy.timeout_s)
+    choice = None
+    message = torch.zeros(2, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link)
+        choice = choose(configured, layout.params, layout.forward_order, strategy.bucket_cap_mb,
+                        strategy.first_bucket_mb, timeline, strategy.priority, strategy.overlap_forward)
+        message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
+                               dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        work = dist.broadcast(message, group=group, group_src=0, async_op=True)
+        wait_or_raise(work, strategy.timeout_s, "the broadcast of rank 0's choice of partitions")
+    if choice is None:
+        choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())
+    return choice, latency_s
+
+
+def _encode_mb(value: float | None) -> float:
+    return -1.0 if value is None else value
+
+
+def _decode_mb(value: torch.Tensor) -> float | None:
+    return None if float(value) < 0 else float(value)
+
+
 def plan_on_rank0(
     partitions: Sequence[Partition],
+    bucket_ready: Sequence[float],
     profile: ReadyTimeProfile,
+    latency_s: float,
     credit_bytes: int | None,
     group: dist.ProcessGroup,
     timeout_s: float,
@@ -111,12 +203,10 @@ def plan_on_rank0(
     faster than that, non-urgent partitions merely go a little later, never
     ahead of urgent ones.
     """
-    latency = measure_latency(group, timeout_s)
     bytes_per_s = (profile.loaded_bytes_per_s() or 1e12) * LINK_SAFETY_FACTOR
-    link = LinkModel(latency_s=latency, bytes_per_s=bytes_per_s)
-    ready = profile.median_ready_s()
-    schedule = simulate_schedule(partitions, ready, link, credit_bytes, by_priority=True)
-    plan = torch.tensor(robust_plan(partitions, schedule, max(ready, default=0.0)), dtype=torch.int64)
+    link = LinkModel(latency_s=latency_s, bytes_per_s=bytes_per_s)
+    schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
+    plan = torch.tensor(robust_plan(partitions, schedule, max(bucket_ready, default=0.0)), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")

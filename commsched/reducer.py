@@ -15,10 +15,11 @@ are observers of the events it emits.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,7 +43,8 @@ from commsched.guards import (
 from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
-from commsched.planning import ReadyTimeProfile, plan_on_rank0
+from commsched.cost_model import Choice, Setting
+from commsched.planning import ReadyTimeProfile, bucket_ready_s, choose_on_rank0, measure_latency, plan_on_rank0
 from commsched.reads import ParameterReads
 from commsched.scheduler import Plan, fifo_plan
 from commsched.strategy import Strategy
@@ -76,6 +78,11 @@ class GradientReducer:
         """The replicas: order and plan agreements run on it."""
         self.buffer_group = buffer_group or process_group
         self.lifecycle = Lifecycle.RECORDING
+        self.effective_strategy = strategy
+        """The strategy in use: ``strategy`` with the partitioning the cost model chose
+        at the end of warm-up (see [Note: the cost model])."""
+        self.choice: Choice | None = None
+        """The cost model's choice (its reasons on rank 0 only), once made."""
         self.layout: GradLayout | None = None
         self.plan: Plan | None = None
         self.current: BackwardPass | None = None
@@ -86,9 +93,10 @@ class GradientReducer:
         overlap, updated at ``step()``. See [Note: reads outside the forward pass]."""
         self.updated_after_forward: tuple[int, ...] = ()
         """Buckets the loop reads after the forward pass: updated when it returns."""
-        self._held_buckets: frozenset[int] | None = None
-        """Issued only at the end of backward (None: all, until a first pass was seen);
-        see [Note: nested backward passes]."""
+        self._repeated_slots: frozenset[int] | None = None
+        """Slots whose buckets are issued only at the end of backward (None: all, until
+        a first pass was seen); see [Note: nested backward passes]."""
+        self._used_before_owner: set[int] = set()
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = [name for name, _ in named]
@@ -134,33 +142,52 @@ class GradientReducer:
 
     def _build(self, forward_order: list[int], used_before_owner: set[int]) -> None:
         """Fix the layout; start warm-up."""
-        strategy, transport = self.strategy, self.transport
+        self._used_before_owner = used_before_owner
+        self._lay_out(forward_order)
+        if self.strategy.priority:
+            self._profile = ReadyTimeProfile(len(self._params))
+            self._events.subscribe(self._profile)
+        if self.overlap_off_reason is None and self.policy.per_bucket:
+            self._reads = ParameterReads(self.module, self._params)
+        self.lifecycle = Lifecycle.WARMUP
+
+    def _lay_out(self, forward_order: Sequence[int]) -> None:
+        """Buckets, partitions and gates for ``effective_strategy``; gradients move into the new buckets."""
+        strategy, transport = self.effective_strategy, self.transport
+        if self._gates is not None:
+            self._gates.remove()
+            self._gates = None
         layout = build_layout(
-            self.module, self._names, self._params, forward_order, used_before_owner,
-            strategy.bucket_size_limits_bytes, transport.sums_usage_flags, transport.attach,
+            self.module, self._names, self._params, forward_order, self._used_before_owner,
+            strategy.bucket_size_limits_bytes, transport.sums_usage_flags,
+            lambda bucket_set: transport.attach(bucket_set, strategy.partition_bytes),
         )
         self.layout = layout
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), strategy.credit_bytes)
         self.policy.attach(layout)
-        if strategy.priority:
-            self._profile = ReadyTimeProfile(len(layout.buckets))
-            self._events.subscribe(self._profile)
         if self.overlap_off_reason is None:
             self._gates = ForwardGates(self.module, layout, self._wait_for_buckets)
-            if self.policy.per_bucket:
-                self._reads = ParameterReads(self.module, self._params)
-        self.lifecycle = Lifecycle.WARMUP
         self._events.layout_built(layout, transport.describe().placement)
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: agree on the plan; overlap from now on, or not."""
         new_order = None
-        if self._profile is not None:
+        profile = self._profile
+        if profile is not None:
             started = time.perf_counter()
+            strategy, group = self.strategy, self.process_group
             with self._peer_failures_explained():
-                self.plan = plan_on_rank0(self.layout.partitions, self._profile, self.strategy.credit_bytes,
-                                          self.process_group, self.strategy.timeout_s)
-            self._events.unsubscribe(self._profile)
+                if self.adapts:
+                    self.choice, latency_s = choose_on_rank0(
+                        Setting(strategy.partition_mb, strategy.credit_mb), self.layout, profile, strategy, group
+                    )
+                    self._use_partitioning(self.choice.setting)
+                else:
+                    latency_s = measure_latency(group, strategy.timeout_s)
+                ready = bucket_ready_s(profile.median_slot_ready_s(), self.layout, self._held_buckets() or frozenset())
+                self.plan = plan_on_rank0(self.layout.partitions, ready, profile, latency_s,
+                                          self.effective_strategy.credit_bytes, group, strategy.timeout_s)
+            self._events.unsubscribe(profile)
             self._profile = None
             new_order = self.plan.order
             logger.info("commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
@@ -169,6 +196,36 @@ class GradientReducer:
         if self._reads is not None and self.lifecycle is Lifecycle.OVERLAPPING:
             self._use_recorded_reads(self._reads)
         return new_order
+
+    @property
+    def adapts(self) -> bool:
+        """Whether the cost model picks the partitioning; see `Strategy.adaptive`."""
+        strategy = self.strategy
+        return strategy.adaptive and strategy.priority and not strategy.parameter_server
+
+    def _use_partitioning(self, setting: Setting) -> None:
+        """Lay the buckets out anew if the cost model chose another partitioning.
+
+        Runs at the first gradient of the first iteration after warm-up, on every
+        rank (the choice is rank 0's), before that pass's state exists: the
+        reductions of the previous pass are complete and its updates applied, and
+        the gradients accumulated so far move into the new buckets.
+        """
+        current = self.effective_strategy
+        if (setting.partition_mb, setting.credit_mb) == (current.partition_mb, current.credit_mb):
+            return
+        self.effective_strategy = dataclasses.replace(
+            self.strategy, partition_mb=setting.partition_mb, credit_mb=setting.credit_mb
+        )
+        self._lay_out(self.layout.forward_order)
+        logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
+                    len(self.layout.partitions), self.choice.reason if self.choice.predictions else setting.describe())
+
+    def _held_buckets(self) -> frozenset[int] | None:
+        """Buckets issued only at the end of backward; see [Note: nested backward passes]."""
+        if self._repeated_slots is None:
+            return None
+        return frozenset(self.layout.bucket_of[slot] for slot in self._repeated_slots)
 
     def _use_recorded_reads(self, reads: ParameterReads) -> None:
         """[Note: reads outside the forward pass]: what warm-up saw decides what is updated early."""
@@ -236,7 +293,7 @@ class GradientReducer:
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.strategy.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
-            held_buckets=self._held_buckets,
+            held_buckets=self._held_buckets(),
         )
         self._events.iteration_started(iteration)
 
@@ -256,8 +313,7 @@ class GradientReducer:
             return
         current = self.current
         current.end_backward()
-        held = frozenset(self.layout.bucket_of[slot] for slot in current.repeated_slots)
-        self._held_buckets = held if self._held_buckets is None else self._held_buckets | held
+        self._repeated_slots = frozenset(current.repeated_slots) | (self._repeated_slots or frozenset())
         if not current.overlapping:
             current.complete_all()
         self._events.backward_finished()

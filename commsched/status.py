@@ -51,6 +51,13 @@ class Status:
     reads their parameters before the next forward pass (seen during warm-up)."""
     updated_after_forward: tuple[int, ...] = ()
     """Buckets updated when the forward pass returns, because the loop reads them after it."""
+    partition_mb: float | None = None
+    """The partition size in use (None: whole buckets)."""
+    credit_mb: float | None = None
+    """The credit window in use (None: unbounded)."""
+    partitioning: str = ""
+    """Why this partitioning: as configured, or the cost model's choice at the end of
+    warm-up with its predictions (on rank 0; the other ranks follow it)."""
 
     @property
     def overlapping(self) -> bool:
@@ -65,6 +72,7 @@ class Status:
             f"  {len(self.buckets)} buckets, {self.partitions} partitions, "
             f"{sum(b.nbytes for b in self.buckets) / 2**20:.2f} MiB; plan: {self.plan}",
             f"  forward overlap: {overlap}",
+            f"  partitioning: {self.partitioning}",
         ]
         if self.updated_at_step or self.updated_after_forward:
             lines.append(
@@ -115,4 +123,18 @@ def reducer_status(reducer: GradientReducer) -> Status:
         previous_iteration=None if reducer.previous_figures is None else replace(reducer.previous_figures),
         updated_at_step=reducer.updated_at_step,
         updated_after_forward=reducer.updated_after_forward,
+        partition_mb=reducer.effective_strategy.partition_mb,
+        credit_mb=reducer.effective_strategy.credit_mb,
+        partitioning=_partitioning(reducer),
     )
+
+
+def _partitioning(reducer: GradientReducer) -> str:
+    choice = reducer.choice
+    if choice is None:
+        if reducer.adapts and reducer.lifecycle is not Lifecycle.RELEASED:
+            return "as configured until warm-up ends; then the cost model's choice"
+        return "as configured (Strategy.adaptive is off or does not apply)"
+    if choice.predictions:
+        return f"the cost model's choice: {choice.reason}"
+    return f"rank 0's cost model chose {choice.setting.describe()}"

@@ -112,6 +112,16 @@ class Strategy:
     the queue short enough for urgent partitions to overtake. ``None`` issues
     everything as soon as the agreed order allows. From 256 bytes to 1 TiB."""
 
+    adaptive: bool = True
+    """Let the warm-up's measurements decide the partitioning: at the end of
+    warm-up, rank 0 predicts the cost of the configured ``partition_mb`` and
+    ``credit_mb``, of partitions four times as large, and of whole buckets on
+    its own timeline and the measured link, and every rank uses the cheapest
+    (`commsched.status` says which and why). Where communication hides behind
+    compute anyway, fewer and larger collectives cost less. ``False`` keeps
+    exactly the configured values. Applies to the all-reduce backend with
+    ``priority=True``; the parameter-server backend keeps its blocks."""
+
     overlap_forward: bool = True
     """Let the next forward pass start before all reductions are done:
     ``optimizer.step()`` returns at once, each bucket is updated when its
@@ -166,7 +176,7 @@ class Strategy:
         _check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
         _check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
         _check_directory("trace_dir", self.trace_dir)
-        for name in ("broadcast_buffers", "priority", "overlap_forward", "fuse_optimizer"):
+        for name in ("broadcast_buffers", "priority", "adaptive", "overlap_forward", "fuse_optimizer"):
             _check_bool(name, getattr(self, name))
         self._normalize_backend()
 

@@ -106,8 +106,11 @@ class ParameterServerTransport:
         self.finished = False
 
     # ----------------------------------------------------------------- layout
-    def attach(self, bucket_set: BucketSet) -> list[Partition]:
-        """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers."""
+    def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
+        """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers.
+
+        The blocks are the strategy's (`Strategy.ps_block_bytes`): the servers
+        derive the same ones, so ``partition_bytes`` is not used."""
         if self.roles.rank == self.roles.workers[0]:
             order = torch.tensor(list(bucket_set.forward_order), dtype=torch.int64)
             for server in self.roles.servers:

@@ -196,19 +196,18 @@ class AllReduceTransport:
 
     sums_usage_flags = True
 
-    def __init__(self, process_group: dist.ProcessGroup, partition_bytes: int | None):
+    def __init__(self, process_group: dist.ProcessGroup):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.is_local = self.world_size == 1
-        self._partition_bytes = partition_bytes
         self._backend_name = str(dist.get_backend(process_group))
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
-    def attach(self, bucket_set: BucketSet) -> list[Partition]:
+    def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         buckets = bucket_set.buckets
         return make_partitions(
             [b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
-            bucket_set.priorities, self._partition_bytes,
+            bucket_set.priorities, partition_bytes,
         )
 
     def bucket_ready(self, bucket: Bucket) -> None:

@@ -72,8 +72,10 @@ class Transport(Protocol):
     "has a gradient" flags can ride in the tail of the flags bucket
     (see [Note: unused parameters] in `commsched.backward_pass`)."""
 
-    def attach(self, bucket_set: BucketSet) -> list[Partition]:
-        """The buckets exist: cut them into partitions (the units on the wire) and get ready."""
+    def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
+        """The buckets exist: cut them into partitions (the units on the wire) of about
+        ``partition_bytes`` (None: whole buckets), or into the transport's own units,
+        and get ready."""
 
     def bucket_ready(self, bucket: Bucket) -> None:
         """Every gradient of ``bucket`` is final for this iteration: prepare it for the wire."""

@@ -21,7 +21,7 @@ ITERATIONS = WARMUP_ITERATIONS + 3
 def train_traced(rank: int, world_size: int, directory: str) -> int:
     torch.manual_seed(0)
     model = ParityNet()
-    strategy = commsched.Strategy(trace_dir=directory, partition_mb=256 / 2**20, credit_mb=512 / 2**20,
+    strategy = commsched.Strategy(trace_dir=directory, partition_mb=256 / 2**20, credit_mb=512 / 2**20, adaptive=False,
                                   bucket_cap_mb=0.004, first_bucket_mb=0.001)
     model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), strategy)
     for _ in range(ITERATIONS):

@@ -232,7 +232,7 @@ def test_every_field_but_trace_dir_must_agree_across_ranks():
     assert describe_setup(Strategy(bucket_cap_mb=25, timeout_s=300), model, None) == base
     changed = {
         "bucket_cap_mb": 5, "first_bucket_mb": 0.5, "broadcast_buffers": False, "priority": False,
-        "partition_mb": None, "credit_mb": None, "overlap_forward": False, "fuse_optimizer": False,
+        "partition_mb": None, "credit_mb": None, "adaptive": False, "overlap_forward": False, "fuse_optimizer": False,
         "timeout_s": 60, "backend": ParameterServer(),
     }
     compared = {f.name for f in dataclasses.fields(Strategy)} - {"trace_dir", "num_servers", "ps_mode",

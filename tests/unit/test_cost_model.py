@@ -1,0 +1,77 @@
+"""The cost model picks the partitioning from a timeline: pure logic, no process group."""
+
+from __future__ import annotations
+
+import torch
+
+from commsched.cost_model import Setting, Timeline, candidates, choose
+from commsched.scheduler import LinkModel
+
+CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
+WHOLE = Setting(None, None)
+
+
+def layers(count: int = 8, numel: int = 2**18) -> list[torch.Tensor]:
+    """``count`` float32 tensors of 1 MiB each, used in this order by the forward pass."""
+    return [torch.empty(numel) for _ in range(count)]
+
+
+def timeline(params, backward_s: float, forward_s: float, link: LinkModel) -> Timeline:
+    """Gradients ready evenly over the backward pass, the output side (last used) first."""
+    count = len(params)
+    ready = [backward_s * (count - slot) / count for slot in range(count)]
+    return Timeline(tuple(ready), forward_s, link)
+
+
+def decide(params, line: Timeline, configured: Setting = CONFIGURED, overlap: bool = True):
+    return choose(configured, params, list(range(len(params))), 25.0, 1.0, line, by_priority=True,
+                  overlap_forward=overlap)
+
+
+def test_candidates_are_configured_coarser_and_whole_buckets_once():
+    assert candidates(CONFIGURED) == [CONFIGURED, Setting(4.0, 16.0), WHOLE]
+    assert candidates(Setting(2.0, None)) == [Setting(2.0, None), Setting(8.0, None), WHOLE]
+    assert candidates(WHOLE) == [WHOLE]
+
+
+def test_a_fast_link_gets_fewer_collectives():
+    """Communication hides behind compute anyway: fewer collectives cost less. (Whole
+    buckets put the first layers' gradients into one large bucket that the next
+    forward pass waits for, so on a merely fast link coarser partitions win.)"""
+    params = layers()
+    for bytes_per_s, expected in ((5e9, Setting(4.0, 16.0)), (1e12, WHOLE)):
+        link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
+        for overlap in (True, False):
+            choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=overlap)
+            assert choice.setting == expected, choice.reason
+            assert {p.setting for p in choice.predictions} == set(candidates(CONFIGURED))
+
+
+def test_a_link_as_slow_as_compute_keeps_the_partitions():
+    """8 MiB at 80 MiB/s take 100 ms, as long as the backward pass: whole buckets would
+    send almost everything after it, partitions send it during it."""
+    params = layers()
+    balanced = LinkModel(latency_s=2e-4, bytes_per_s=80 * 2**20)
+    for overlap in (True, False):
+        choice = decide(params, timeline(params, backward_s=0.1, forward_s=0.05, link=balanced), overlap=overlap)
+        assert choice.setting == CONFIGURED, choice.reason
+        by_setting = {p.setting: p for p in choice.predictions}
+        assert by_setting[CONFIGURED].wait_s < by_setting[WHOLE].wait_s
+        assert by_setting[CONFIGURED].collectives > by_setting[WHOLE].collectives
+
+
+def test_forward_overlap_hides_what_the_first_layers_do_not_need():
+    """With overlap, only buckets needed before they arrive count as waiting."""
+    params = layers()
+    line = timeline(params, backward_s=0.02, forward_s=0.2, link=LinkModel(2e-4, 80 * 2**20))
+    with_overlap = {p.setting: p.wait_s for p in decide(params, line, overlap=True).predictions}
+    without = {p.setting: p.wait_s for p in decide(params, line, overlap=False).predictions}
+    assert with_overlap[CONFIGURED] < without[CONFIGURED]
+
+
+def test_the_reason_names_every_prediction():
+    params = layers()
+    choice = decide(params, timeline(params, 0.2, 0.1, LinkModel(2e-4, 1e12)))
+    reason = choice.reason
+    assert reason.startswith("whole buckets: predicted ") and "for 2 collectives per iteration" in reason
+    assert "partitions of 1 MiB, credit 4 MiB: " in reason and "partitions of 4 MiB, credit 16 MiB: " in reason
