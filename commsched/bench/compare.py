@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 from commsched.api import prepare_server
-from commsched.bench.models import WORKLOADS
-from commsched.bench.systems import Commsched, ComputeOnly, System, TorchDDP
+from commsched.backward_pass import IterationFigures
+from commsched.bench.models import WORKLOADS, Workload
+from commsched.bench.peers import PeerUnavailable, build, sgd
+from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2
 from commsched.strategy import Strategy
 
 
@@ -69,13 +70,61 @@ class SystemResult:
     eval_loss: float = float("nan")
     server_bytes: list[int] = field(default_factory=list)
     """Parameter-server systems: bytes of blocks each server holds (for the link bound)."""
+    exposed_wait_s: list[float] = field(default_factory=list)
+    """commsched systems, per measured iteration: time the training thread waited for
+    reductions (`commsched.status`'s figures; rank 0's)."""
+    update_s: list[float] = field(default_factory=list)
+    """commsched systems, per measured iteration: time in per-bucket updates."""
+    partitioning: str | None = None
+    """commsched systems: the partitioning in use and why, where `commsched.status` says."""
+    peak_rss_mib: float = float("nan")
+    """Peak resident memory of a process running only this system, max over its ranks
+    (`commsched.bench.memory`); NaN where not measured."""
+    unavailable: str | None = None
+    """Why this system could not train the model (then nothing else is filled)."""
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.iteration_times_s)
 
 
-class _Run:
+class _FigureLog:
+    """A commsched system's per-iteration figures over the measured iterations.
+
+    `commsched.status` keeps only the latest two iterations, so it is read after
+    every measured step (outside the timed span). An iteration's waits end in the
+    next one's forward pass (forward overlap), so an iteration is complete once it
+    is the ``previous_iteration``, or after ``synchronize()``.
+    """
+
+    def __init__(self) -> None:
+        self._measured: set[int] = set()
+        self._figures: dict[int, IterationFigures] = {}
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        status = commsched.status(model)
+        if status.current_iteration is not None:
+            self._measured.add(status.current_iteration.iteration)
+        if status.previous_iteration is not None:
+            self._figures[status.previous_iteration.iteration] = status.previous_iteration
+
+    def after_settle(self, model: torch.nn.Module) -> None:
+        current = commsched.status(model).current_iteration
+        if current is not None:
+            self._figures[current.iteration] = current
+
+    def write_into(self, result: SystemResult) -> None:
+        measured = sorted(self._measured & self._figures.keys())
+        result.exposed_wait_s = [self._figures[i].exposed_wait_s for i in measured]
+        result.update_s = [self._figures[i].update_s for i in measured]
+
+
+def _partitioning(model: torch.nn.Module) -> str | None:
+    """What commsched's cost model chose, if this version's `commsched.status` tells."""
+    return getattr(commsched.status(model), "partitioning", None) or None
+
+
+class Run:
     """One system training on this rank: its model, optimizer, batches and result."""
 
     def __init__(self, system: System, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -86,6 +135,7 @@ class _Run:
         self._mine = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
         self.result = SystemResult()
         self.last_loss = torch.zeros(())
+        self._figures = _FigureLog() if isinstance(system, Commsched) else None
 
     def step(self) -> float:
         x, y = next(self._stream)
@@ -98,6 +148,12 @@ class _Run:
         self.last_loss = loss.detach()
         return elapsed
 
+    def measured_step(self) -> None:
+        """One timed iteration, recorded with commsched's figures for it."""
+        self.result.iteration_times_s.append(self.step())
+        if self._figures is not None:
+            self._figures.after_step(self.model)
+
     def settle(self) -> float:
         """Finish anything still in flight; return how long that took."""
         start = time.perf_counter()
@@ -106,50 +162,93 @@ class _Run:
             synchronize()
         return time.perf_counter() - start
 
+    def settle_measured(self) -> None:
+        """End a round: work left in flight is charged to it, not to the next system."""
+        self.result.iteration_times_s[-1] += self.settle()
+        if self._figures is not None:
+            self._figures.after_settle(self.model)
 
-def _served(system: System) -> bool:
+    def finish(self) -> None:
+        """Fill in what the result keeps besides times (figures, the cost model's choice)."""
+        if self._figures is not None:
+            self._figures.write_into(self.result)
+            self.result.partitioning = _partitioning(self.model)
+
+
+def served(system: System) -> bool:
+    """Whether ``system`` needs the parameter-server ranks."""
     return isinstance(system, Commsched) and system.num_servers > 0
 
 
-def _worker_group(world_size: int, num_servers: int) -> dist.ProcessGroup:
+def worker_group(world_size: int, num_servers: int) -> dist.ProcessGroup:
     """The ranks that train (all but the last ``num_servers``); collective over the world."""
     if not num_servers:
         return dist.group.WORLD
     return dist.new_group(list(range(world_size - num_servers)))
 
 
+def start_run(system: System, base: torch.nn.Module, workers: dist.ProcessGroup, config: ComparisonConfig,
+              rank: int, num_workers: int) -> Run:
+    """Build ``system`` on a copy of ``base`` and train its unmeasured warm-up iterations."""
+    model, optimizer = build(system, copy.deepcopy(base), workers, sgd(config.learning_rate))
+    run = Run(system, model, optimizer, config, rank, num_workers)
+    for _ in range(config.warmup):
+        run.step()
+    return run
+
+
+def _may_be_unavailable(system: System) -> bool:
+    """Peers that may refuse a model; commsched and DDP failing is a bug and must crash."""
+    return isinstance(system, TorchFSDP2)
+
+
+def start_or_explain(system: System, base: torch.nn.Module, workers: dist.ProcessGroup,
+                      config: ComparisonConfig, rank: int, num_workers: int) -> Run | str:
+    """`start_run`, or for a peer that cannot train this model, why (agreed by every worker).
+
+    The peers fail alike on every rank (same model, same code), so a failure does
+    not leave a rank waiting in a collective the others abandoned.
+    """
+    if not _may_be_unavailable(system):
+        return start_run(system, base, workers, config, rank, num_workers)
+    outcome: Run | str
+    try:
+        outcome = start_run(system, base, workers, config, rank, num_workers)
+    except Exception as error:  # noqa: BLE001 - reported in the results instead of ending the bench
+        reason = str(error) if isinstance(error, PeerUnavailable) else f"{type(error).__name__}: {error}"
+        outcome = f"{system.name} cannot train {config.workload}: {reason}"
+    failed = torch.tensor([float(isinstance(outcome, str))])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=workers)
+    if failed.item() and not isinstance(outcome, str):
+        outcome = f"{system.name} cannot train {config.workload}: it failed on another rank"
+    return outcome
+
+
 def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dict[str, SystemResult] | None:
-    """Run the comparison; rank 0 returns the results by system name, other ranks None."""
+    """Run the comparison; rank 0 returns the results by system name, other ranks None.
+
+    A peer that cannot train the model (torch FSDP2 refusing it) gets a result
+    with only ``unavailable`` set, and the others go on.
+    """
     workload = WORKLOADS[config.workload]
     torch.manual_seed(0)
     base = workload.build()
     num_workers = world_size - config.num_servers
-    workers = _worker_group(world_size, config.num_servers)
-
-    def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=0.9)
+    workers = worker_group(world_size, config.num_servers)
 
     if rank >= num_workers:
-        _serve(base, sgd, config)
+        serve(base, config)
         return None
 
-    runs = []
+    results: dict[str, SystemResult] = {}
+    runs: list[Run] = []
     for system in config.systems:
-        model = copy.deepcopy(base)
-        if isinstance(system, ComputeOnly):
-            optimizer = sgd(model)
-        elif isinstance(system, TorchDDP):
-            cap = {} if system.bucket_cap_mb is None else {"bucket_cap_mb": system.bucket_cap_mb}
-            model = DistributedDataParallel(model, process_group=workers, **cap)
-            optimizer = sgd(model)
+        outcome = start_or_explain(system, base, workers, config, rank, num_workers)
+        if isinstance(outcome, str):
+            results[system.name] = SystemResult(unavailable=outcome)
         else:
-            group = None if _served(system) else workers
-            model, optimizer = commsched.prepare(model, sgd(model), system.strategy, process_group=group)
-        runs.append(_Run(system, model, optimizer, config, rank, num_workers))
-
-    for run in runs:
-        for _ in range(config.warmup):
-            run.step()
+            runs.append(outcome)
+            results[system.name] = outcome.result
 
     total = config.rounds * config.iterations * len(runs)
     with _progress(rank == 0 and config.show_progress, total, config.workload) as advance:
@@ -158,11 +257,21 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
             for run in order:
                 dist.barrier(group=workers)
                 for _ in range(config.iterations):
-                    run.result.iteration_times_s.append(run.step())
+                    run.measured_step()
                     advance(run.system.name)
-                # Work a system left in flight is charged to it, not to the next one.
-                run.result.iteration_times_s[-1] += run.settle()
+                run.settle_measured()
 
+    _final_losses(runs, workload, workers, num_workers)
+    for run in runs:
+        run.finish()
+        if served(run.system):
+            run.result.server_bytes = list(commsched.status(run.model).server_bytes)
+            commsched.release(run.model)  # lets the servers finish
+    return results if rank == 0 else None
+
+
+def _final_losses(runs: list[Run], workload: Workload, workers: dist.ProcessGroup, num_workers: int) -> None:
+    """Each run's last training loss (mean over workers) and its loss on a held-out batch."""
     held_out_x, held_out_y = next(workload.batches(256, seed=12345))
     for run in runs:
         run.settle()
@@ -173,29 +282,24 @@ def compare_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> dic
         with torch.no_grad():
             run.result.eval_loss = float(F.cross_entropy(run.model(held_out_x), held_out_y))
         run.model.train()
-    for run in runs:
-        if _served(run.system):
-            run.result.server_bytes = list(commsched.status(run.model).server_bytes)
-            commsched.release(run.model)  # lets the servers finish
-    return {run.system.name: run.result for run in runs} if rank == 0 else None
 
 
-def _serve(base: torch.nn.Module, make_optimizer, config: ComparisonConfig) -> None:
+def serve(base: torch.nn.Module, config: ComparisonConfig) -> None:
     """A server rank: serve every parameter-server system at once, each on its own thread."""
     threads, failures = [], []
     for system in config.systems:
-        if not _served(system):
+        if not served(system):
             continue
         model = copy.deepcopy(base)
-        server = prepare_server(model, make_optimizer(model), system.strategy)
+        server = prepare_server(model, sgd(config.learning_rate)(model), system.strategy)
 
-        def serve(server=server, name=system.name) -> None:
+        def serve_one(server=server, name=system.name) -> None:
             try:
                 server.serve()
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 failures.append(f"{name}: {error}")
 
-        threads.append(threading.Thread(target=serve, name=f"serve {system.name}", daemon=True))
+        threads.append(threading.Thread(target=serve_one, name=f"serve {system.name}", daemon=True))
         threads[-1].start()
     for thread in threads:
         thread.join()
@@ -210,7 +314,7 @@ def allreduce_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> S
     over the world (server ranks only help build the workers' group); rank 0
     returns the timings, other ranks None.
     """
-    workers = _worker_group(world_size, config.num_servers)
+    workers = worker_group(world_size, config.num_servers)
     if rank >= world_size - config.num_servers:
         return None
     model = WORKLOADS[config.workload].build()

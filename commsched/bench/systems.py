@@ -27,12 +27,41 @@ class TorchDDP:
 
     bucket_cap_mb: float | None = None
     """None: DDP's own default."""
+    static_graph: bool = False
+    """DDP's ``static_graph``: the graph is recorded once, so later iterations skip the
+    search for unused parameters and may reorder buckets."""
+    gradient_as_bucket_view: bool = False
+    """DDP's ``gradient_as_bucket_view``: gradients are views into the buckets, saving
+    one copy (and its memory) per iteration."""
 
     @property
     def name(self) -> str:
-        if self.bucket_cap_mb is None:
-            return "torch DDP"
-        return f"torch DDP, bucket_cap_mb={self.bucket_cap_mb:g}"
+        parts = ["torch DDP"]
+        if self.bucket_cap_mb is not None:
+            parts.append(f"bucket_cap_mb={self.bucket_cap_mb:g}")
+        if self.static_graph:
+            parts.append("static graph")
+        if self.gradient_as_bucket_view:
+            parts.append("grad views")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class TorchFSDP2:
+    """torch's FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters sharded across ranks.
+
+    `commsched.bench.compare` shards each block (`fsdp2_units`) and then the
+    root. With ``reshard_after_forward=False`` the gathered parameters stay
+    between the forward and the backward pass (ZeRO-2-like: gradients and
+    optimizer state sharded, one all-gather per block per iteration); the
+    closest FSDP2 comes to data parallelism.
+    """
+
+    reshard_after_forward: bool = False
+
+    @property
+    def name(self) -> str:
+        return "torch FSDP2, reshard after forward" if self.reshard_after_forward else "torch FSDP2"
 
 
 @dataclass(frozen=True)
@@ -56,7 +85,7 @@ class Commsched:
         return f"{name}, {self.label}" if self.label else name
 
 
-System = ComputeOnly | TorchDDP | Commsched
+System = ComputeOnly | TorchDDP | TorchFSDP2 | Commsched
 
 UNSCHEDULED = Strategy(
     priority=False, partition_mb=None, credit_mb=None, overlap_forward=False, fuse_optimizer=False
@@ -73,7 +102,8 @@ def scheduling_off(strategy: Strategy) -> bool:
                for name in ("priority", "partition_mb", "credit_mb", "overlap_forward", "fuse_optimizer"))
 
 
-_TYPES = {cls.__name__: cls for cls in (ComputeOnly, TorchDDP, Commsched, Strategy, AllReduce, ParameterServer)}
+_TYPES = {cls.__name__: cls
+          for cls in (ComputeOnly, TorchDDP, TorchFSDP2, Commsched, Strategy, AllReduce, ParameterServer)}
 
 
 def encode(value: object) -> object:

@@ -1,0 +1,97 @@
+"""The benchmark's peers train like torch DDP; a peer that cannot run a model is reported, not fatal.
+
+One spawned group of two ranks runs every comparison; the tests read its results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from commsched.bench.compare import ComparisonConfig, SystemResult, compare_on_rank
+from commsched.bench.models import WORKLOADS, Workload
+from commsched.bench.peers import fsdp2_units
+from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
+from commsched.strategy import Strategy
+from commsched.testing import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+DDP = TorchDDP()
+PEERS = (TorchDDP(static_graph=True, gradient_as_bucket_view=True),
+         TorchDDP(0.05, static_graph=True, gradient_as_bucket_view=True), TorchFSDP2())
+OURS = Commsched(Strategy())
+OFF = Commsched(UNSCHEDULED, "scheduling off")
+
+
+class TiedNet(nn.Module):
+    """Two blocks sharing one weight: FSDP2 refuses to shard them apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+        second.weight = first.weight
+        self.layers = nn.Sequential(first, nn.ReLU(), second, nn.ReLU(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, SystemResult]] | None:
+    """Every comparison the tests check, in one group of processes."""
+    WORKLOADS["tied"] = Workload("tied", TiedNet, (8,))
+    peers = ComparisonConfig(workload="demo-mlp", batch_size=8, iterations=2, rounds=2, warmup=4,
+                             systems=(DDP, *PEERS, OURS, OFF), show_progress=False)
+    refused = ComparisonConfig(workload="tied", batch_size=8, iterations=2, rounds=1, warmup=2,
+                               systems=(DDP, TorchFSDP2()), show_progress=False)
+    results = {"peers": compare_on_rank(rank, world_size, peers),
+               "refused": compare_on_rank(rank, world_size, refused)}
+    return results if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def compared() -> dict[str, dict[str, SystemResult]]:
+    return run_ranks(compare_everything, 2, timeout_s=120)[0]
+
+
+@pytest.mark.parametrize("peer", PEERS + (OURS,), ids=lambda system: system.name)
+def test_peer_trains_like_ddp(compared, peer):
+    results = compared["peers"]
+    reference, result = results[DDP.name], results[peer.name]
+    assert result.unavailable is None
+    assert len(result.iteration_times_s) == 4
+    assert math.isfinite(result.final_loss) and math.isfinite(result.eval_loss)
+    assert result.final_loss == pytest.approx(reference.final_loss, rel=1e-3)
+    assert result.eval_loss == pytest.approx(reference.eval_loss, rel=1e-3)
+
+
+def test_commsched_figures_cover_every_measured_iteration(compared):
+    """One figure per measured iteration (2 rounds x 2), as the time breakdown averages them."""
+    for system in (OURS, OFF):
+        result = compared["peers"][system.name]
+        assert len(result.exposed_wait_s) == len(result.update_s) == 4, system.name
+        assert all(value >= 0 for value in result.exposed_wait_s + result.update_s)
+    assert not compared["peers"][DDP.name].exposed_wait_s
+
+
+def test_a_model_fsdp2_cannot_shard_is_reported_and_the_rest_goes_on(compared):
+    results = compared["refused"]
+    refusal = results[TorchFSDP2().name].unavailable
+    assert refusal is not None and refusal.startswith("torch FSDP2 cannot train tied:") and "shared" in refusal
+    assert not results[TorchFSDP2().name].iteration_times_s
+    assert results[DDP.name].unavailable is None and len(results[DDP.name].iteration_times_s) == 2
+
+
+def test_fsdp2_blocks_are_layers_residual_blocks_and_encoder_layers():
+    """Per layer in the MLP and the VGG-like, per residual block, per encoder layer; never a
+    module its parent only reads weights from (attention's out_proj)."""
+    def kinds(name: str) -> list[str]:
+        return [type(unit).__name__ for unit in fsdp2_units(WORKLOADS[name].build())]
+
+    assert kinds("demo-mlp") == ["Linear", "LayerNorm", "Linear", "LayerNorm", "Linear", "LayerNorm", "Linear"]
+    assert kinds("vgg-like") == ["Conv2d"] * 6 + ["Linear"] * 3
+    assert kinds("resnet-like") == ["Conv2d", "BatchNorm2d", *["_BasicBlock"] * 16, "Linear"]
+    assert kinds("transformer-like") == ["TransformerEncoderLayer"] * 4
