@@ -5,19 +5,26 @@ fresh `EmulatedCluster` is built and one process per host is started with
 torchrun (``--nnodes``, gloo bound to the host's ``eth0``). In that one run
 every system trains side by side in interleaved rounds (`commsched.bench.compare`):
 compute alone (every host computing, no communication), torch DDP with its
-defaults, torch DDP with each ``bucket_cap_mb`` of a small sweep, commsched
-with scheduling off, commsched with its default `Strategy`, and commsched's
-parameter-server backend (``--ps-servers`` extra hosts serve; the other
-systems leave them idle). One all-reduce of all gradients is timed too, with
-the CPU time it costs. The bound of a cell is max(compute alone, one
+defaults, torch DDP with each ``bucket_cap_mb`` of a small sweep, torch DDP
+with ``static_graph`` and ``gradient_as_bucket_view`` (at its default and the
+smallest bucket size), torch FSDP2 (per block, no resharding after forward),
+commsched with scheduling off, commsched with its default `Strategy`, and
+commsched's parameter-server backend (``--ps-servers`` extra hosts serve; the
+other systems leave them idle). One all-reduce of all gradients is timed too,
+with the CPU time it costs. The bound of a cell is max(compute alone, one
 all-reduce); efficiency is bound / iteration time. The parameter-server
 bound is max(compute alone, the busiest server link): every worker pushes
 that server's bytes in and pulls them out, so its link carries workers x
-bytes in each direction at the link rate.
+bytes in each direction at the link rate. *best DDP* is the fastest of every
+torch DDP system.
+
+Before the comparison, each system's peak RSS is measured on its own
+(`commsched.bench.memory`), once per model, hosts and batch size (memory
+does not depend on the link rate): in the first run of its first cell.
 
 Outputs, in ``--out``: ``runs.json`` (every iteration of every run),
-``results.md`` (the table) and ``speedup.png`` (speedup over DDP against the
-link rate, per model).
+``results.md`` (the tables, and per cell where commsched's iteration time
+goes) and ``speedup.png`` (speedup over DDP against the link rate, per model).
 """
 
 from __future__ import annotations
@@ -25,26 +32,42 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from commsched.bench.results import Cell, markdown, plot, summarize
-from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, decode, encode
+from commsched.bench.results import Cell, markdown, peak_rss, plot, summarize
+from commsched.bench.systems import (
+    UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, decode, encode,
+)
 from commsched.strategy import ParameterServer, Strategy
 
 DDP_SWEEP_MB = (5.0, 100.0)
 """bucket_cap_mb values tried besides DDP's default 25, for the best-DDP column."""
+DDP_STATIC_MB = (None, 5.0)
+"""bucket_cap_mb values (None: DDP's default) tried with static_graph and gradient_as_bucket_view."""
 BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
+
+FULL = {"rates_gbit": [0.1, 0.25, 1.0, 10.0], "hosts": [2, 4], "repeats": 3, "rounds": 3, "iterations": 5,
+        "warmup": 6}
+"""The grid's settings, where the command line leaves them out."""
+QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 2, "warmup": 4}
+"""``--quick``: 6 cells (3 models, 2 rates, 2 hosts), one repeat, few iterations (about 10 minutes on 2
+cores). Options given on the command line win (``--quick --hosts 4``)."""
 
 
 def lineup(trace_dir: str | None = None, ps_servers: int = 0) -> tuple[System, ...]:
     """The systems every cell trains; ``trace_dir`` traces the default commsched system."""
-    chosen: list[System] = [ComputeOnly(), TorchDDP(), *(TorchDDP(cap) for cap in DDP_SWEEP_MB),
-                            Commsched(UNSCHEDULED, "scheduling off"), Commsched(Strategy(trace_dir=trace_dir))]
+    chosen: list[System] = [
+        ComputeOnly(), TorchDDP(), *(TorchDDP(cap) for cap in DDP_SWEEP_MB),
+        *(TorchDDP(cap, static_graph=True, gradient_as_bucket_view=True) for cap in DDP_STATIC_MB),
+        TorchFSDP2(), Commsched(UNSCHEDULED, "scheduling off"), Commsched(Strategy(trace_dir=trace_dir)),
+    ]
     if ps_servers:
         chosen.append(Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers))))
     return tuple(chosen)
@@ -57,31 +80,51 @@ def worker(config_path: Path, out_path: Path) -> None:
     import torch.distributed as dist
 
     from commsched.bench.compare import ComparisonConfig, allreduce_on_rank, compare_on_rank
+    from commsched.bench.memory import peak_rss_in_children
 
     torch.set_num_threads(1)
     spec = json.loads(config_path.read_text())
     chosen = tuple(decode(system) for system in spec.pop("systems"))
+    measure_memory = spec.pop("measure_peak_rss")
     config = ComparisonConfig(**spec, systems=chosen, show_progress=False)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    peaks, started = {}, time.monotonic()
+    if measure_memory:  # first: the children are forked from a process that holds nothing yet
+        peaks = peak_rss_in_children(config, rank, world_size, os.environ["MASTER_ADDR"],
+                                     int(os.environ["MASTER_PORT"]))
+    measured_memory = time.monotonic()
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     results = compare_on_rank(rank, world_size, config)
     allreduce = allreduce_on_rank(rank, world_size, config)
     if rank == 0:
+        for name, peak in peaks.items():
+            results[name].peak_rss_mib = peak
+        phases_s = {"peak_rss": measured_memory - started, "comparison": time.monotonic() - measured_memory}
         out_path.write_text(json.dumps({"systems": {name: asdict(r) for name, r in results.items()},
-                                        "allreduce": asdict(allreduce)}))
+                                        "allreduce": asdict(allreduce), "phases_s": phases_s}))
     dist.destroy_process_group()
 
 
-def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
-             timeout_s: float, port: int = 29533) -> dict:
-    """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result}``."""
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec
-
-    spec = {
+def cell_spec(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
+              measure_peak_rss: bool = False) -> dict:
+    """What `worker` reads: the comparison's settings and systems, as JSON-ready data."""
+    return {
         "workload": cell.model, "batch_size": cell.batch_size, "iterations": iterations,
         "rounds": rounds, "warmup": warmup, "num_servers": cell.ps_servers,
-        "systems": [encode(system) for system in chosen],
+        "systems": [encode(system) for system in chosen], "measure_peak_rss": measure_peak_rss,
     }
+
+
+def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
+             timeout_s: float, port: int = 29533, measure_peak_rss: bool = False) -> dict:
+    """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result,
+    "phases_s": seconds of the peak-RSS phase and of the comparison}``.
+
+    With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
+    """
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec
+
+    spec = cell_spec(cell, chosen, rounds, iterations, warmup, measure_peak_rss)
     hosts = cell.hosts + cell.ps_servers
     with tempfile.TemporaryDirectory() as tmp, \
             EmulatedCluster(hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:
@@ -121,16 +164,21 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
     chosen = lineup(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
     record: dict = {"systems": [system.name for system in chosen], "cells": []}
     rows = []
+    peaks: dict[tuple, dict[str, float] | None] = {}
+    """Peak RSS by (model, hosts, batch, servers): measured in the first run of the first such cell."""
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
         task = progress.add_task("benchmark", total=len(cells) * repeats)
         for cell in cells:
+            memory_key = (cell.model, cell.hosts, cell.batch_size, cell.ps_servers)
             runs = []
-            for _ in range(repeats):
+            for repeat in range(repeats):
                 progress.update(task, description=f"{cell.model} {cell.hosts} hosts {cell.rate_gbit:g} Gbit/s")
-                runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s))
+                runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s,
+                                     measure_peak_rss=memory_key not in peaks and repeat == 0))
+                peaks.setdefault(memory_key, peak_rss(runs))
                 progress.advance(task)
-            rows.append(summarize(cell, runs, chosen))
+            rows.append(summarize(cell, runs, chosen, peaks[memory_key]))
             record["cells"].append({"cell": asdict(cell), "runs": runs, "summary": rows[-1]})
             (out / "runs.json").write_text(json.dumps(record, indent=1))
             (out / "results.md").write_text(markdown(rows))
@@ -143,25 +191,35 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="commsched bench", description=__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat: under 10 minutes")
+                        help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat, few iterations: about 10 minutes "
+                             "on 2 cores; options given as well win (--quick --hosts 4)")
     parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
-    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.1, 0.25, 1.0, 10.0])
-    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--rates-gbit", nargs="+", type=float, help=f"default {FULL['rates_gbit']}")
+    parser.add_argument("--hosts", nargs="+", type=int,
+                        help=f"workers per cell, each an emulated host (default {FULL['hosts']})")
     parser.add_argument("--batch-sizes", nargs="+", type=int,
                         help="per host, each a cell of its own (default: 64 VGG, 32 ResNet, 16 Transformer)")
     parser.add_argument("--ps-servers", type=int, default=1,
                         help="extra hosts serving the parameter-server system (0 leaves it out)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=5, help="per system per round")
-    parser.add_argument("--warmup", type=int, default=6,
-                        help="unmeasured iterations per system (commsched plans its order at the 4th)")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per cell")
+    parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
+    parser.add_argument("--iterations", type=int, help=f"per system per round (default {FULL['iterations']})")
+    parser.add_argument("--warmup", type=int,
+                        help="unmeasured iterations per system (commsched plans its order at the 4th; "
+                             f"default {FULL['warmup']})")
+    parser.add_argument("--repeats", type=int, help=f"fresh clusters per cell (default {FULL['repeats']})")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--trace", type=Path, metavar="DIR",
                         help="trace the commsched system into DIR (for `commsched trace-report`; "
                              "tracing adds hooks, so its times are for diagnosis, not for the table)")
     return parser
+
+
+def fill_in_settings(args: argparse.Namespace) -> None:
+    """Settings the command line left out: `QUICK`'s with ``--quick``, else `FULL`'s."""
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -173,8 +231,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"commsched bench: {reason}; the emulated cluster needs it. Without it, "
               "benchmarks/loopback.py compares the systems on loopback.", file=sys.stderr)
         return 2
-    if args.quick:
-        args.rates_gbit, args.hosts, args.repeats, args.rounds, args.iterations = [0.25, 1.0], [2], 1, 2, 3
+    fill_in_settings(args)
     if any(h < 2 for h in args.hosts) or any(not r > 0 for r in args.rates_gbit) or args.ps_servers < 0:
         print("commsched bench: --hosts must be at least 2, --rates-gbit greater than 0 and --ps-servers "
               "at least 0", file=sys.stderr)

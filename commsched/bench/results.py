@@ -1,16 +1,18 @@
-"""A bench cell's measurements -> one row of ratios; rows -> the Markdown table and the plot.
+"""A bench cell's measurements -> one row of ratios; rows -> the Markdown tables, the plot,
+and a line per cell saying where commsched's iteration time goes.
 
 Systems are picked by type and fields (`commsched.bench.systems`), never by name.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from commsched.bench.systems import Commsched, ComputeOnly, System, TorchDDP, scheduling_off
+from commsched.bench.systems import Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, scheduling_off
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,55 @@ def _the(chosen: Sequence[System], what: str, matches: Callable[[System], bool])
     return found[0]
 
 
-def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System]) -> dict:
+def _fsdp2(cell_runs: list[dict], chosen: Sequence[System], ours: list[float]) -> dict:
+    """The FSDP2 columns: its time and commsched's speedup over it (None where absent or
+    where FSDP2 could not train the model)."""
+    names = [system.name for system in chosen if isinstance(system, TorchFSDP2)]
+    if len(names) != 1 or any(r["systems"][names[0]].get("unavailable") for r in cell_runs):
+        return {"fsdp2_ms": None, "speedup_vs_fsdp2": None}
+    times = [statistics.fmean(r["systems"][names[0]]["iteration_times_s"]) for r in cell_runs]
+    return {"fsdp2_ms": statistics.median(times) * 1e3,
+            "speedup_vs_fsdp2": statistics.median(f / o for f, o in zip(times, ours))}
+
+
+def _figures(cell_runs: list[dict], name: str) -> dict:
+    """commsched's own figures (`commsched.status`), medians over repeats of per-iteration means."""
+    def median_of_means(key: str) -> float | None:
+        means = [statistics.fmean(r["systems"][name][key]) for r in cell_runs if r["systems"][name].get(key)]
+        return statistics.median(means) * 1e3 if means else None
+
+    return {"commsched_exposed_ms": median_of_means("exposed_wait_s"),
+            "commsched_updates_ms": median_of_means("update_s"),
+            "commsched_partitioning": cell_runs[0]["systems"][name].get("partitioning")}
+
+
+def unavailable(cell_runs: list[dict]) -> dict[str, str]:
+    """Systems that could not train the cell's model, with why (from the first run saying so)."""
+    reasons: dict[str, str] = {}
+    for r in cell_runs:
+        for name, result in r["systems"].items():
+            if result.get("unavailable"):
+                reasons.setdefault(name, result["unavailable"])
+    return reasons
+
+
+def peak_rss(cell_runs: list[dict]) -> dict[str, float] | None:
+    """Peak RSS in MiB by system, from the first run that measured it (None: none did)."""
+    for r in cell_runs:
+        peaks = {name: result.get("peak_rss_mib", math.nan) for name, result in r["systems"].items()}
+        if any(not math.isnan(value) for value in peaks.values()):
+            return peaks
+    return None
+
+
+def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
+              peak_rss_mib: dict[str, float] | None = None) -> dict:
     """Medians over repeats of each system's mean iteration time, and the derived ratios.
 
     ``runs`` are `run_cell`'s results for ``cell``, all of the same ``chosen``
-    systems (a `lineup`).
+    systems (a `lineup`). ``peak_rss_mib`` (by system name) defaults to what
+    ``runs`` measured; the grid passes the figures of another cell of the same
+    model, hosts and batch, since memory does not depend on the link rate.
     """
 
     def per_repeat(name: str) -> list[float]:
@@ -53,13 +99,14 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System]) -> dict:
     allreduce_cpu = [statistics.median(r["allreduce"]["cpu_times_s"]) for r in runs]
     bounds = [max(c, a) for c, a in zip(compute, allreduce)]
     ddp_names = [system.name for system in chosen if isinstance(system, TorchDDP)]
-    best_ddp = [min(statistics.fmean(r["systems"][n]["iteration_times_s"]) for n in ddp_names) for r in runs]
+    ddp_means = {n: [statistics.fmean(r["systems"][n]["iteration_times_s"]) for r in runs] for n in ddp_names}
+    best_ddp = [min(means[i] for means in ddp_means.values()) for i in range(len(runs))]
     ddp = per_repeat(_the(chosen, "torch DDP with its defaults",
-                          lambda s: isinstance(s, TorchDDP) and s.bucket_cap_mb is None))
+                          lambda s: s == TorchDDP()))
     off = per_repeat(_the(chosen, "all-reduce commsched with scheduling off",
                           lambda s: allreduce_commsched(s, scheduled=False)))
-    ours = per_repeat(_the(chosen, "all-reduce commsched with scheduling on",
-                           lambda s: allreduce_commsched(s, scheduled=True)))
+    ours_name = _the(chosen, "all-reduce commsched with scheduling on", lambda s: allreduce_commsched(s, scheduled=True))
+    ours = per_repeat(ours_name)
     ps: dict = {}
     if cell.ps_servers:
         name = _the(chosen, f"commsched with {cell.ps_servers} parameter servers",
@@ -85,6 +132,7 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System]) -> dict:
         "bound_ms": statistics.median(bounds) * 1e3,
         "ddp_ms": statistics.median(ddp) * 1e3,
         "best_ddp_ms": statistics.median(best_ddp) * 1e3,
+        "best_ddp_system": min(ddp_means, key=lambda n: statistics.median(ddp_means[n])),
         "scheduling_off_ms": statistics.median(off) * 1e3,
         "commsched_ms": statistics.median(ours) * 1e3,
         "speedup_vs_ddp": statistics.median(d / o for d, o in zip(ddp, ours)),
@@ -93,37 +141,125 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System]) -> dict:
         "efficiency": statistics.median(b / o for b, o in zip(bounds, ours)),
         "ddp_efficiency": statistics.median(b / d for b, d in zip(bounds, ddp)),
         "repeats": len(runs),
+        **_fsdp2(runs, chosen, ours),
+        **_figures(runs, ours_name),
+        "peak_rss_mib": peak_rss_mib if peak_rss_mib is not None else peak_rss(runs),
+        "unavailable": unavailable(runs),
         **ps,
     }
 
 
-def markdown(rows: list[dict]) -> str:
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one commsched iteration's time goes, in ms (medians over repeats).
+
+    ``other`` is what is left: dispatch and bookkeeping, and computation slowed
+    down by communication sharing the cores; it may be negative where compute
+    alone was measured slower than in the commsched run.
+    """
+
+    total: float
+    compute: float
+    exposed: float
+    updates: float
+
+    @property
+    def other(self) -> float:
+        return self.total - self.compute - self.exposed - self.updates
+
+
+def breakdown(row: dict) -> Breakdown | None:
+    """The default commsched system's iteration split (None where commsched gave no figures)."""
+    if row.get("commsched_exposed_ms") is None or row.get("commsched_updates_ms") is None:
+        return None
+    return Breakdown(row["commsched_ms"], row["compute_ms"], row["commsched_exposed_ms"], row["commsched_updates_ms"])
+
+
+def breakdown_line(row: dict) -> str | None:
+    """One line: ``vgg-like 2 hosts 0.25 Gbit/s: 713 ms = compute 599 + exposed communication 60 + ...``."""
+    split = breakdown(row)
+    if split is None:
+        return None
+    line = (f"{row['model']} {row['hosts']} hosts {row['rate_gbit']:g} Gbit/s: {split.total:.0f} ms = "
+            f"compute {split.compute:.0f} + exposed communication {split.exposed:.0f} + updates {split.updates:.0f} "
+            f"+ other {split.other:.0f} (dispatch, contention)")
+    if row.get("commsched_partitioning"):
+        line += f"; partitioning: {row['commsched_partitioning']}"
+    return line
+
+
+def _table(header: str, lines: list[str]) -> list[str]:
+    return [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|", *lines]
+
+
+def _or_na(value: float | None, spec: str) -> str:
+    return "n/a" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _times_table(rows: list[dict]) -> list[str]:
     header = ("| model | hosts | Gbit/s | batch | compute ms | all-reduce ms (CPU ms) | bound ms | DDP ms "
-              "| best DDP ms | sched. off ms | commsched ms | speedup vs DDP (range) | vs best DDP "
-              "| efficiency (DDP's) |")
-    lines = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
+              "| best DDP ms | FSDP2 ms | sched. off ms | commsched ms | speedup vs DDP (range) | vs best DDP "
+              "| vs FSDP2 | efficiency (DDP's) |")
+    lines = []
     for r in rows:
         low, high = r["speedup_vs_ddp_range"]
         lines.append(
             f"| {r['model']} | {r['hosts']} | {r['rate_gbit']:g} | {r['batch_size']} | {r['compute_ms']:.0f} "
             f"| {r['allreduce_ms']:.0f} ({r['allreduce_cpu_ms']:.0f}) | {r['bound_ms']:.0f} | {r['ddp_ms']:.0f} "
-            f"| {r['best_ddp_ms']:.0f} | {r['scheduling_off_ms']:.0f} | {r['commsched_ms']:.0f} "
-            f"| {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) | {r['speedup_vs_best_ddp']:.2f} "
+            f"| {r['best_ddp_ms']:.0f} | {_or_na(r.get('fsdp2_ms'), '.0f')} | {r['scheduling_off_ms']:.0f} "
+            f"| {r['commsched_ms']:.0f} | {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) "
+            f"| {r['speedup_vs_best_ddp']:.2f} | {_or_na(r.get('speedup_vs_fsdp2'), '.2f')} "
             f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) |"
         )
-    ps_rows = [r for r in rows if r.get("ps_servers")]
-    if ps_rows:
-        header = ("| model | workers + servers | Gbit/s | PS ms | PS bound ms (busiest server link ms) "
-                  "| PS speedup vs DDP | PS time / all-reduce commsched time | PS efficiency "
-                  "| most loaded server / mean |")
-        lines += ["", header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
-        for r in ps_rows:
-            lines.append(
-                f"| {r['model']} | {r['hosts']} + {r['ps_servers']} | {r['rate_gbit']:g} | {r['ps_ms']:.0f} "
-                f"| {r['ps_bound_ms']:.0f} ({r['ps_link_bound_ms']:.0f}) | {r['ps_speedup_vs_ddp']:.2f} "
-                f"| {1 / r['ps_vs_allreduce']:.2f} | {r['ps_efficiency']:.2f} | {r['ps_server_imbalance']:.3f} |"
-            )
-    return "\n".join(lines) + "\n"
+    return _table(header, lines)
+
+
+def _ps_table(rows: list[dict]) -> list[str]:
+    header = ("| model | workers + servers | Gbit/s | PS ms | PS bound ms (busiest server link ms) "
+              "| PS speedup vs DDP | PS time / all-reduce commsched time | PS efficiency "
+              "| most loaded server / mean |")
+    lines = [
+        f"| {r['model']} | {r['hosts']} + {r['ps_servers']} | {r['rate_gbit']:g} | {r['ps_ms']:.0f} "
+        f"| {r['ps_bound_ms']:.0f} ({r['ps_link_bound_ms']:.0f}) | {r['ps_speedup_vs_ddp']:.2f} "
+        f"| {1 / r['ps_vs_allreduce']:.2f} | {r['ps_efficiency']:.2f} | {r['ps_server_imbalance']:.3f} |"
+        for r in rows if r.get("ps_servers")
+    ]
+    return _table(header, lines) if lines else []
+
+
+def _rss_table(rows: list[dict]) -> list[str]:
+    """Peak RSS per system, one row per model, hosts and batch (it does not depend on the rate)."""
+    measured: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("peak_rss_mib"):
+            measured.setdefault((r["model"], r["hosts"], r["batch_size"]), r["peak_rss_mib"])
+    if not measured:
+        return []
+    names = list(next(iter(measured.values())))
+    header = "| model | hosts | batch | " + " | ".join(f"{name} MiB" for name in names) + " |"
+    lines = [f"| {model} | {hosts} | {batch} | " + " | ".join(_or_na(peaks.get(n), ".0f") for n in names) + " |"
+             for (model, hosts, batch), peaks in measured.items()]
+    return ["Peak RSS per system (max over its ranks; each system alone in a process forked before the "
+            "comparison, trained a few iterations):", "", *_table(header, lines)]
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """The breakdown lines, and the systems that could not train a model."""
+    lines = [line for line in map(breakdown_line, rows) if line]
+    if lines:
+        lines = ["Where commsched's iteration time goes (rank 0, mean per measured iteration; compute is the "
+                 "compute-only system's time):", "", *(f"- {line}" for line in lines)]
+    reasons = sorted({reason for r in rows for reason in r.get("unavailable", {}).values()})
+    if reasons:
+        lines += ["", "Could not run:", "", *(f"- {reason}" for reason in reasons)]
+    return lines
+
+
+def markdown(rows: list[dict]) -> str:
+    """The tables of ``results.md``: times, parameter servers, peak RSS, then the notes."""
+    sections = [section for section in (_times_table(rows), _ps_table(rows), _rss_table(rows), _notes(rows))
+                if section]
+    return "\n\n".join("\n".join(section) for section in sections) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> Path:

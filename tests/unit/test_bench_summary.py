@@ -8,7 +8,7 @@ import pytest
 
 from commsched.bench.grid import lineup
 from commsched.bench.results import Cell, markdown, plot, summarize
-from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, TorchDDP, decode, encode
+from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import ParameterServer, Strategy
 
 COMPUTE, DDP, DDP_BIG = ComputeOnly(), TorchDDP(), TorchDDP(bucket_cap_mb=100)
@@ -65,14 +65,21 @@ def test_parameter_server_bound_is_the_busiest_server_link():
 def test_display_names():
     assert [s.name for s in lineup(ps_servers=2)] == [
         "compute only", "torch DDP", "torch DDP, bucket_cap_mb=5", "torch DDP, bucket_cap_mb=100",
-        "commsched, scheduling off", "commsched", "commsched PS, 2 servers",
+        "torch DDP, static graph, grad views", "torch DDP, bucket_cap_mb=5, static graph, grad views",
+        "torch FSDP2", "commsched, scheduling off", "commsched", "commsched PS, 2 servers",
     ]
+    assert TorchDDP(25, static_graph=True).name == "torch DDP, bucket_cap_mb=25, static graph"
+    assert TorchFSDP2(reshard_after_forward=True).name == "torch FSDP2, reshard after forward"
     assert Commsched(Strategy(backend=ParameterServer())).name == "commsched PS, 1 server"
 
 
 def test_systems_round_trip_through_json():
     systems = (*lineup(trace_dir="/tmp/trace", ps_servers=2),
-               Commsched(Strategy(backend=ParameterServer(num_servers=3, mode="async", max_staleness=2)), "async"))
+               Commsched(Strategy(backend=ParameterServer(num_servers=3, mode="async", max_staleness=2)), "async"),
+               TorchDDP(0.5, gradient_as_bucket_view=True), TorchFSDP2(reshard_after_forward=True))
     decoded = tuple(decode(data) for data in json.loads(json.dumps([encode(s) for s in systems])))
     assert decoded == systems
-    assert decoded[-1].strategy.backend == ParameterServer(num_servers=3, mode="async", max_staleness=2)
+    assert [type(s) for s in decoded] == [type(s) for s in systems]
+    assert decoded[-3].strategy.backend == ParameterServer(num_servers=3, mode="async", max_staleness=2)
+    assert decoded[-2] == TorchDDP(0.5, static_graph=False, gradient_as_bucket_view=True)
+    assert decoded[-1].reshard_after_forward is True

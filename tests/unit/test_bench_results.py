@@ -1,0 +1,130 @@
+"""The benchmark's new figures: best DDP over every DDP peer, FSDP2's columns, peak RSS (measured once
+per model, hosts and batch), where commsched's time goes, and the settings of --quick and the full grid."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from commsched.bench import grid
+from commsched.bench.results import Breakdown, Cell, breakdown, breakdown_line, markdown, summarize
+from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, TorchDDP, TorchFSDP2
+from commsched.strategy import Strategy
+
+COMPUTE, DDP, STATIC, FSDP2 = ComputeOnly(), TorchDDP(), TorchDDP(5, True, True), TorchFSDP2()
+OFF, OURS = Commsched(UNSCHEDULED, "scheduling off"), Commsched(Strategy())
+SYSTEMS = (COMPUTE, DDP, STATIC, FSDP2, OFF, OURS)
+TIMES = {COMPUTE: 0.5, DDP: 1.0, STATIC: 0.8, FSDP2: 1.2, OFF: 0.95, OURS: 0.7}
+
+
+def run(times=TIMES, exposed=(0.01, 0.03), updates=(0.002, 0.004), peaks=None, fsdp2_refused=None) -> dict:
+    systems = {s.name: {"iteration_times_s": [value] * 2, "peak_rss_mib": (peaks or {}).get(s, math.nan)}
+               for s, value in times.items()}
+    systems[OURS.name] |= {"exposed_wait_s": list(exposed), "update_s": list(updates),
+                           "partitioning": "the cost model's choice: partitions of 1 MiB"}
+    if fsdp2_refused:
+        systems[FSDP2.name] = {"iteration_times_s": [], "unavailable": fsdp2_refused}
+    return {"systems": systems, "allreduce": {"iteration_times_s": [0.4] * 3, "cpu_times_s": [0.01] * 3}}
+
+
+CELL = Cell("vgg-like", 0.25, 2, 64)
+
+
+def test_best_ddp_is_the_fastest_of_every_ddp_peer():
+    row = summarize(CELL, [run()], SYSTEMS)
+    assert row["ddp_ms"] == pytest.approx(1000)
+    assert row["best_ddp_ms"] == pytest.approx(800) and row["best_ddp_system"] == STATIC.name
+    assert row["speedup_vs_best_ddp"] == pytest.approx(0.8 / 0.7)
+
+
+def test_fsdp2_columns():
+    row = summarize(CELL, [run(), run({**TIMES, FSDP2: 1.4})], SYSTEMS)
+    assert row["fsdp2_ms"] == pytest.approx(1300)
+    assert row["speedup_vs_fsdp2"] == pytest.approx((1.2 / 0.7 + 1.4 / 0.7) / 2)
+    assert "| FSDP2 ms |" in markdown([row]) and "| 1300 |" in markdown([row])
+
+
+def test_fsdp2_that_cannot_run_shows_na_and_why():
+    reason = "torch FSDP2 cannot train vgg-like: ValueError: shared parameter"
+    row = summarize(CELL, [run(fsdp2_refused=reason)], SYSTEMS)
+    assert row["fsdp2_ms"] is None and row["speedup_vs_fsdp2"] is None
+    assert row["unavailable"] == {FSDP2.name: reason}
+    table = markdown([row])
+    assert "| 800 | n/a | 950 | 700 |" in table
+    assert f"Could not run:\n\n- {reason}" in table
+
+
+def test_peak_rss_table_has_a_column_per_system():
+    peaks = {s: 300.0 + i for i, s in enumerate(SYSTEMS)}
+    row = summarize(CELL, [run(peaks=peaks)], SYSTEMS)
+    assert row["peak_rss_mib"] == {s.name: value for s, value in peaks.items()}
+    lines = markdown([row]).splitlines()
+    header = next(line for line in lines if "compute only MiB" in line)
+    assert header == "| model | hosts | batch | " + " | ".join(f"{s.name} MiB" for s in SYSTEMS) + " |"
+    assert "| vgg-like | 2 | 64 | 300 | 301 | 302 | 303 | 304 | 305 |" in lines
+
+
+def test_peak_rss_given_by_the_grid_wins_over_the_runs():
+    row = summarize(CELL, [run()], SYSTEMS, peak_rss_mib={OURS.name: 123.0})
+    assert row["peak_rss_mib"] == {OURS.name: 123.0}
+    assert summarize(CELL, [run()], SYSTEMS)["peak_rss_mib"] is None
+
+
+def test_breakdown_sums_to_the_iteration_time():
+    split = Breakdown(total=713, compute=599, exposed=60, updates=20)
+    assert split.other == pytest.approx(34)
+    assert Breakdown(total=500, compute=520, exposed=10, updates=5).other == pytest.approx(-35)
+
+
+def test_breakdown_line_from_a_summary():
+    row = summarize(CELL, [run(), run(exposed=(0.05, 0.07), updates=(0.006, 0.008))], SYSTEMS)
+    split = breakdown(row)
+    # medians over repeats of the per-iteration means: exposed (20, 60) -> 40 ms, updates (3, 7) -> 5 ms
+    assert (split.total, split.compute, split.exposed, split.updates) == pytest.approx((700, 500, 40, 5))
+    assert split.compute + split.exposed + split.updates + split.other == pytest.approx(split.total)
+    assert breakdown_line(row) == (
+        "vgg-like 2 hosts 0.25 Gbit/s: 700 ms = compute 500 + exposed communication 40 + updates 5 "
+        "+ other 155 (dispatch, contention); partitioning: the cost model's choice: partitions of 1 MiB")
+    assert f"- {breakdown_line(row)}" in markdown([row])
+
+
+def test_no_breakdown_without_commsched_figures():
+    plain = run()
+    del plain["systems"][OURS.name]["exposed_wait_s"]
+    row = summarize(CELL, [plain], SYSTEMS)
+    assert breakdown(row) is None and breakdown_line(row) is None
+    assert "exposed communication" not in markdown([row])
+
+
+def settings(*argv: str) -> argparse.Namespace:
+    args = grid.build_parser().parse_args(list(argv))
+    grid.fill_in_settings(args)
+    return args
+
+
+def test_quick_keeps_its_size_and_takes_hosts_given():
+    quick = settings("--quick")
+    assert (quick.hosts, quick.rates_gbit, quick.repeats) == ([2], [0.25, 1.0], 1)
+    assert settings("--quick", "--hosts", "4").hosts == [4]
+    assert settings("--quick", "--rounds", "5").rounds == 5
+    assert settings().hosts == [2, 4] and settings().repeats == 3
+
+
+def test_peak_rss_is_measured_once_per_model_hosts_and_batch(tmp_path, monkeypatch):
+    asked = []
+
+    def fake_run_cell(cell, chosen, rounds, iterations, warmup, timeout_s, measure_peak_rss=False):
+        asked.append((cell.model, cell.hosts, cell.rate_gbit, measure_peak_rss))
+        times = {s: 0.5 + 0.1 * i for i, s in enumerate(chosen)}
+        peaks = {s: 100.0 * cell.hosts for s in chosen} if measure_peak_rss else None
+        return run(times, peaks=peaks)
+
+    monkeypatch.setattr(grid, "run_cell", fake_run_cell)
+    cells = [Cell("vgg-like", rate, hosts, 64) for hosts in (2, 4) for rate in (0.25, 1.0)]
+    rows = grid.run_grid(cells, tmp_path, rounds=1, iterations=1, warmup=1, repeats=2, timeout_s=1)
+    assert [a for a in asked if a[3]] == [("vgg-like", 2, 0.25, True), ("vgg-like", 4, 0.25, True)]
+    assert len(asked) == 8
+    assert [set(r["peak_rss_mib"].values()) for r in rows] == [{200.0}, {200.0}, {400.0}, {400.0}]
+    assert "torch FSDP2 MiB" in (tmp_path / "results.md").read_text()
