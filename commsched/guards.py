@@ -80,17 +80,16 @@ class ParameterFingerprint:
         if self._take() != self._fingerprint:
             raise RuntimeError(self._explain())
 
-    def _take(self) -> tuple[object, ...]:
-        """Ids of every child and parameter, and each parameter's requires_grad and shape.
-
-        Runs before every forward pass, so it is one flat tuple built in C loops
-        as far as possible."""
-        children = tuple(child for m in self._modules for child in m._modules.values())
-        params = tuple(p for m in self._modules for p in m._parameters.values())
-        return (
-            tuple(map(id, children)), tuple(map(id, params)),
-            tuple(None if p is None else (p.requires_grad, p.shape) for p in params),
-        )
+    def _take(self) -> list[object]:
+        fingerprint: list[object] = []
+        for module in self._modules:
+            fingerprint.extend(map(id, module._modules.values()))
+            for param in module._parameters.values():
+                if param is None:
+                    fingerprint.append(None)
+                else:
+                    fingerprint.append((id(param), param.requires_grad, param.shape))
+        return fingerprint
 
     def _describe(self) -> dict[str, tuple[int, bool, tuple[int, ...]]]:
         return {name: (id(p), p.requires_grad, tuple(p.shape)) for name, p in self._root.named_parameters()}
