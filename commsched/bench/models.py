@@ -155,8 +155,15 @@ class Workload:
             yield x, label(x)
 
 
+def wide_mlp() -> DemoNet:
+    """The demo MLP widened to 2.9M parameters (768 inputs, 1024 hidden): big enough that its
+    gradients (11 MB) take a few buckets, small enough that one iteration takes milliseconds."""
+    return DemoNet(in_features=768, hidden=1024)
+
+
 WORKLOADS: dict[str, Workload] = {
     "demo-mlp": Workload("demo-mlp", DemoNet, (64,)),
+    "mlp": Workload("mlp", wide_mlp, (768,)),
     "resnet-like": Workload("resnet-like", ResNetLike, (3, 32, 32)),
     "vgg-like": Workload("vgg-like", VGGLike, (3, 32, 32)),
     "transformer-like": Workload("transformer-like", TransformerLike, (64,), vocab=8000),
