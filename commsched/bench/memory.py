@@ -104,8 +104,15 @@ def peak_rss_in_children(config: ComparisonConfig, rank: int, world_size: int, s
         ranks = system_ranks(system, num_workers, config.num_servers)
         if rank < ranks:
             group = _Group(store_host, store_port, f"{_STORE_PREFIX}/{index}", rank, ranks, timeout_s)
-            peaks[system.name] = _in_child(config, system, group)
+            peaks[system.name] = _in_child(config, _untraced(system), group)
     return peaks
+
+
+def _untraced(system: System) -> System:
+    """``system`` without a trace directory: tracing's own buffers are not the system's memory."""
+    if isinstance(system, Commsched) and system.strategy.trace_dir is not None:
+        return replace(system, strategy=replace(system.strategy, trace_dir=None))
+    return system
 
 
 def _load_lazy_modules() -> None:
