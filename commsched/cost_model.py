@@ -45,6 +45,10 @@ class Timeline:
     """From the start of the forward pass to the start of the backward pass."""
     link: LinkModel
     """One all-reduce of ``n`` bytes among the replicas, measured idle."""
+    transport_cpu_share: float = 0.0
+    """CPU time this process spent per second of an all-reduce (its communication
+    threads), measured idle, at most 1: the share of communication that competes
+    with computation for the host's cores when the two overlap."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,12 @@ class Prediction:
     """Predicted time the training thread waits for communication per iteration."""
     host_s: float
     """Predicted host work of the collectives (one latency each)."""
+    contention_s: float = 0.0
+    """Predicted slowdown of computation by communication running beside it."""
 
     @property
     def cost_s(self) -> float:
-        return self.wait_s + self.host_s
+        return self.wait_s + self.host_s + self.contention_s
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,8 @@ class Choice:
         )
         return (
             f"{self.setting.describe()}: predicted {chosen.wait_s * 1e3:.2f} ms waiting for communication "
-            f"+ {chosen.host_s * 1e3:.2f} ms for {chosen.collectives} collectives per iteration"
+            f"+ {chosen.host_s * 1e3:.2f} ms for {chosen.collectives} collectives "
+            f"+ {chosen.contention_s * 1e3:.2f} ms of computation slowed by it per iteration"
             + (f"; against {others}" if others else "")
         )
 
@@ -144,9 +151,27 @@ def predict(
         bucket_done[p.bucket] = max(bucket_done[p.bucket], schedule.finish_s[p.pid])
     if overlap_forward:
         wait = _wait_at_forward(bucket_slots, bucket_done, params, forward_order, end_of_backward, timeline.forward_s)
+        computing_until = end_of_backward + wait + timeline.forward_s
     else:
         wait = max(bucket_done) - end_of_backward
-    return Prediction(setting, len(partitions), max(0.0, wait), len(partitions) * timeline.link.latency_s)
+        computing_until = end_of_backward
+    wait = max(0.0, wait)
+    beside_compute = sum(
+        _overlap(schedule.finish_s[p.pid] - timeline.link.duration_s(p.nbytes), schedule.finish_s[p.pid],
+                 end_of_backward, wait, computing_until)
+        for p in partitions
+    )
+    return Prediction(setting, len(partitions), wait, len(partitions) * timeline.link.latency_s,
+                      beside_compute * min(1.0, max(0.0, timeline.transport_cpu_share)))
+
+
+def _overlap(start: float, end: float, end_of_backward: float, wait: float, computing_until: float) -> float:
+    """How long ``[start, end)`` runs beside computation: the backward pass until
+    ``end_of_backward``, then (after ``wait``) the next forward pass until ``computing_until``."""
+    during_backward = max(0.0, min(end, end_of_backward) - start)
+    resumed = end_of_backward + wait
+    during_forward = max(0.0, min(end, computing_until) - max(start, resumed))
+    return during_backward + during_forward
 
 
 def _wait_at_forward(

@@ -115,13 +115,22 @@ def _time_all_reduce(
     buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
 ) -> float:
     """Median time of an all-reduce of ``buffer`` (collective: every rank calls it)."""
-    samples = []
+    return _all_reduce_times(buffer, group, timeout_s, repeats, what)[0]
+
+
+def _all_reduce_times(
+    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
+) -> tuple[float, float]:
+    """Median wall time of an all-reduce of ``buffer``, and the CPU time of this
+    process (every thread) per second of it. Collective."""
+    samples, cpu_shares = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s,
-                      what)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
+        wall = time.perf_counter() - start
+        samples.append(wall)
+        cpu_shares.append((time.process_time() - cpu_start) / max(wall, 1e-9))
+    return statistics.median(samples), statistics.median(cpu_shares)
 
 
 def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
@@ -130,22 +139,26 @@ def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5
                             "the latency measurement before agreeing on a plan")
 
 
-def measure_link(group: dist.ProcessGroup, nbytes: int, latency_s: float, timeout_s: float) -> LinkModel:
+def measure_link(
+    group: dist.ProcessGroup, nbytes: int, latency_s: float, timeout_s: float
+) -> tuple[LinkModel, float]:
     """An all-reduce's cost as ``a + n / b``, fitted to two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
 
     ``a`` is the fixed cost of one collective at the sizes partitions have (the
     host's work and the link's latency), often well above a one-element round
-    trip, and never taken below ``latency_s``, that round trip.
+    trip, and never taken below ``latency_s``, that round trip. Also returns the
+    CPU time this process spends per second of the larger all-reduce (see
+    `Timeline.transport_cpu_share`).
     """
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     small = large // 8
     what = "the link measurement before choosing the partitioning"
     small_s = _time_all_reduce(torch.zeros(small // 4), group, timeout_s, 3, what)
-    large_s = _time_all_reduce(torch.zeros(large // 4), group, timeout_s, 3, what)
+    large_s, cpu_share = _all_reduce_times(torch.zeros(large // 4), group, timeout_s, 3, what)
     bytes_per_s = (large - small) / max(large_s - small_s, 1e-9)
     fixed_s = max(large_s - large / bytes_per_s, latency_s)
-    return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s)
+    return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
 
 
 def choose_on_rank0(
@@ -161,11 +174,11 @@ def choose_on_rank0(
     and a one-element all-reduce's time as this rank measured it (for the plan).
     """
     latency_s = measure_latency(group, strategy.timeout_s)
-    link = measure_link(group, sum(b.nbytes for b in layout.buckets), latency_s, strategy.timeout_s)
+    link, cpu_share = measure_link(group, sum(b.nbytes for b in layout.buckets), latency_s, strategy.timeout_s)
     choice = None
     message = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank(group) == 0:
-        timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link)
+        timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link, cpu_share)
         choice = choose(configured, layout.params, layout.forward_order, strategy.bucket_cap_mb,
                         strategy.first_bucket_mb, timeline, strategy.priority, strategy.overlap_forward)
         message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],

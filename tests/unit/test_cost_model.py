@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from commsched.cost_model import Setting, Timeline, candidates, choose
@@ -73,5 +75,21 @@ def test_the_reason_names_every_prediction():
     params = layers()
     choice = decide(params, timeline(params, 0.2, 0.1, LinkModel(2e-4, 1e12)))
     reason = choice.reason
-    assert reason.startswith("whole buckets: predicted ") and "for 2 collectives per iteration" in reason
+    assert reason.startswith("whole buckets: predicted ") and "for 2 collectives + " in reason
     assert "partitions of 1 MiB, credit 4 MiB: " in reason and "partitions of 4 MiB, credit 16 MiB: " in reason
+
+
+def test_communication_that_takes_the_cpu_hides_nothing():
+    """On a link that is the host's CPU (loopback: every byte is copied by the
+    process's own threads), what runs beside computation slows it as much as it
+    would wait: fewer collectives win where partitions would win on a wire."""
+    params = layers()
+    balanced = LinkModel(latency_s=2e-4, bytes_per_s=80 * 2**20)
+    line = timeline(params, backward_s=0.1, forward_s=0.05, link=balanced)
+    on_a_wire = decide(params, line)
+    on_the_cpu = decide(params, dataclasses.replace(line, transport_cpu_share=1.0))
+    assert on_a_wire.setting == CONFIGURED, on_a_wire.reason
+    assert on_the_cpu.setting != CONFIGURED, on_the_cpu.reason
+    chosen = next(p for p in on_the_cpu.predictions if p.setting == on_the_cpu.setting)
+    configured = next(p for p in on_the_cpu.predictions if p.setting == CONFIGURED)
+    assert configured.contention_s > chosen.contention_s
