@@ -16,8 +16,13 @@ latency and bandwidth. The predicted cost of a candidate is how long the
 training thread would wait for communication (at the end of backward without
 forward overlap; at the forward pass's layers with it, assuming the forward pass
 reaches each parameter in proportion to the bytes before it), plus one latency
-per collective for the host work. The cheapest wins; a tie goes to fewer
-collectives.
+per collective for the host work, plus the computation that communication
+slows down by running beside it: its time beside the backward and the next
+forward pass times the CPU share of the transport, measured as the process's
+CPU time per second of an all-reduce. On a GPU cluster that share is small and
+overlap is nearly free; on loopback, where the link is the host's own CPU, it
+is large and overlapping hides almost nothing. The cheapest wins; a tie goes to
+fewer collectives.
 """
 
 from __future__ import annotations
