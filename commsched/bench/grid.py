@@ -20,7 +20,8 @@ torch DDP system.
 
 Before the comparison, each system's peak RSS is measured on its own
 (`commsched.bench.memory`), once per model, hosts and batch size (memory
-does not depend on the link rate): in the first run of its first cell.
+does not depend on the link rate): in the first run of the cell with the
+fastest link, where it takes least time.
 
 Outputs, in ``--out``: ``runs.json`` (every iteration of every run),
 ``results.md`` (the tables, and per cell where commsched's iteration time
@@ -56,7 +57,7 @@ BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
 FULL = {"rates_gbit": [0.1, 0.25, 1.0, 10.0], "hosts": [2, 4], "repeats": 3, "rounds": 3, "iterations": 5,
         "warmup": 6}
 """The grid's settings, where the command line leaves them out."""
-QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 2, "warmup": 4}
+QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 3, "warmup": 4}
 """``--quick``: 6 cells (3 models, 2 rates, 2 hosts), one repeat, few iterations (about 10 minutes on 2
 cores). Options given on the command line win (``--quick --hosts 4``)."""
 
@@ -149,11 +150,28 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
         return json.loads(out_path.read_text())
 
 
+def _memory_key(cell: Cell) -> tuple:
+    """What a system's memory depends on: not the link rate."""
+    return cell.model, cell.hosts, cell.batch_size, cell.ps_servers
+
+
+def measuring_cells(cells: Sequence[Cell]) -> set[Cell]:
+    """The cells whose first run measures peak RSS: per model, hosts and batch, the one with the
+    fastest link, where the short training of every system alone takes least time."""
+    fastest: dict[tuple, Cell] = {}
+    for cell in cells:
+        known = fastest.setdefault(_memory_key(cell), cell)
+        if cell.rate_gbit > known.rate_gbit:
+            fastest[_memory_key(cell)] = cell
+    return set(fastest.values())
+
+
 def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup: int, repeats: int,
              timeout_s: float, trace_dir: Path | None = None) -> list[dict]:
     """Run every cell ``repeats`` times; write ``runs.json``, ``results.md`` and ``speedup.png`` into ``out``.
 
-    The files are rewritten after each cell, so an interrupted grid keeps what it measured.
+    The files are rewritten after each cell, so an interrupted grid keeps what it measured. Peak RSS
+    is measured once per model, hosts and batch (`measuring_cells`) and shown for all its cells.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -163,27 +181,35 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
         raise ValueError("every cell of a grid uses the same number of parameter servers")
     chosen = lineup(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
     record: dict = {"systems": [system.name for system in chosen], "cells": []}
-    rows = []
+    rows: list[dict] = []
+    measuring = measuring_cells(cells)
     peaks: dict[tuple, dict[str, float] | None] = {}
-    """Peak RSS by (model, hosts, batch, servers): measured in the first run of the first such cell."""
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
         task = progress.add_task("benchmark", total=len(cells) * repeats)
         for cell in cells:
-            memory_key = (cell.model, cell.hosts, cell.batch_size, cell.ps_servers)
             runs = []
             for repeat in range(repeats):
                 progress.update(task, description=f"{cell.model} {cell.hosts} hosts {cell.rate_gbit:g} Gbit/s")
                 runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s,
-                                     measure_peak_rss=memory_key not in peaks and repeat == 0))
-                peaks.setdefault(memory_key, peak_rss(runs))
+                                     measure_peak_rss=cell in measuring and repeat == 0))
                 progress.advance(task)
-            rows.append(summarize(cell, runs, chosen, peaks[memory_key]))
+            if cell in measuring:
+                peaks[_memory_key(cell)] = peak_rss(runs)
+            rows.append(summarize(cell, runs, chosen, peaks.get(_memory_key(cell))))
+            _share_peaks(cells, rows, peaks)
             record["cells"].append({"cell": asdict(cell), "runs": runs, "summary": rows[-1]})
             (out / "runs.json").write_text(json.dumps(record, indent=1))
             (out / "results.md").write_text(markdown(rows))
     plot(rows, out / "speedup.png")
     return rows
+
+
+def _share_peaks(cells: Sequence[Cell], rows: list[dict], peaks: dict[tuple, dict[str, float] | None]) -> None:
+    """Give rows run before their measuring cell its peak RSS (``rows[i]`` is ``cells[i]``'s)."""
+    for cell, row in zip(cells, rows):
+        if row["peak_rss_mib"] is None:
+            row["peak_rss_mib"] = peaks.get(_memory_key(cell))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

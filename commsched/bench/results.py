@@ -101,11 +101,11 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
     ddp_names = [system.name for system in chosen if isinstance(system, TorchDDP)]
     ddp_means = {n: [statistics.fmean(r["systems"][n]["iteration_times_s"]) for r in runs] for n in ddp_names}
     best_ddp = [min(means[i] for means in ddp_means.values()) for i in range(len(runs))]
-    ddp = per_repeat(_the(chosen, "torch DDP with its defaults",
-                          lambda s: s == TorchDDP()))
+    ddp = per_repeat(_the(chosen, "torch DDP with its defaults", lambda s: s == TorchDDP()))
     off = per_repeat(_the(chosen, "all-reduce commsched with scheduling off",
                           lambda s: allreduce_commsched(s, scheduled=False)))
-    ours_name = _the(chosen, "all-reduce commsched with scheduling on", lambda s: allreduce_commsched(s, scheduled=True))
+    ours_name = _the(chosen, "all-reduce commsched with scheduling on",
+                     lambda s: allreduce_commsched(s, scheduled=True))
     ours = per_repeat(ours_name)
     ps: dict = {}
     if cell.ps_servers:

@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from commsched.bench.compare import ComparisonConfig, SystemResult, compare_on_rank
-from commsched.bench.models import WORKLOADS, Workload
-from commsched.bench.peers import fsdp2_units
+from commsched.bench.models import WORKLOADS, DemoNet, Workload
+from commsched.bench.peers import build, fsdp2_units, sgd
 from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
 from commsched.strategy import Strategy
 from commsched.testing import run_ranks
@@ -48,8 +49,22 @@ def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, System
     refused = ComparisonConfig(workload="tied", batch_size=8, iterations=2, rounds=1, warmup=2,
                                systems=(DDP, TorchFSDP2()), show_progress=False)
     results = {"peers": compare_on_rank(rank, world_size, peers),
-               "refused": compare_on_rank(rank, world_size, refused)}
+               "refused": compare_on_rank(rank, world_size, refused),
+               "built": {system.name: what_was_built(system) for system in PEERS}}
     return results if rank == 0 else None
+
+
+def what_was_built(system) -> dict:
+    """The settings torch reports for a peer as `build` makes it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model, optimizer = build(system, DemoNet(), dist.group.WORLD, sgd(0.1))
+    sharded = sum(isinstance(module, FSDPModule) for module in model.modules())
+    return {"static_graph": getattr(model, "static_graph", None),
+            "gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
+            "bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None), "sharded_modules": sharded,
+            "optimizes_the_model": {id(p) for p in model.parameters()}
+            == {id(p) for group in optimizer.param_groups for p in group["params"]}}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +81,16 @@ def test_peer_trains_like_ddp(compared, peer):
     assert math.isfinite(result.final_loss) and math.isfinite(result.eval_loss)
     assert result.final_loss == pytest.approx(reference.final_loss, rel=1e-3)
     assert result.eval_loss == pytest.approx(reference.eval_loss, rel=1e-3)
+
+
+def test_peers_are_built_as_named(compared):
+    built = compared["built"]
+    static, static_small, fsdp2 = (built[system.name] for system in PEERS)
+    assert static["static_graph"] is True and static["gradient_as_bucket_view"] is True
+    assert static_small["bucket_bytes_cap"] == int(0.05 * 1024 * 1024)
+    # FSDP2: every block of the demo MLP (4 linear layers, 3 layer norms), and the root
+    assert fsdp2["sharded_modules"] == 8 and static["sharded_modules"] == 0
+    assert all(entry["optimizes_the_model"] for entry in built.values())
 
 
 def test_commsched_figures_cover_every_measured_iteration(compared):
