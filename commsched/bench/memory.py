@@ -61,8 +61,8 @@ def peak_rss_on_rank(rank: int, world_size: int, config: ComparisonConfig, syste
     the servers last for a parameter-server system. A peer that cannot train the
     model gives NaN. Meaningful only in a process that ran nothing else before.
     """
-    config = replace(config, systems=(system,), warmup=RSS_ITERATIONS, num_servers=config.num_servers
-                     if served(system) else 0)
+    servers = config.num_servers if served(system) else 0
+    config = replace(config, systems=(system,), warmup=RSS_ITERATIONS, num_servers=servers)
     torch.manual_seed(0)
     base = WORKLOADS[config.workload].build()
     num_workers = world_size - config.num_servers

@@ -180,9 +180,9 @@ def breakdown_line(row: dict) -> str | None:
     split = breakdown(row)
     if split is None:
         return None
-    line = (f"{row['model']} {row['hosts']} hosts {row['rate_gbit']:g} Gbit/s: {split.total:.0f} ms = "
-            f"compute {split.compute:.0f} + exposed communication {split.exposed:.0f} + updates {split.updates:.0f} "
-            f"+ other {split.other:.0f} (dispatch, contention)")
+    line = (f"{row['model']} {row['hosts']} hosts {row['rate_gbit']:g} Gbit/s: {round(split.total)} ms = "
+            f"compute {round(split.compute)} + exposed communication {round(split.exposed)} "
+            f"+ updates {round(split.updates)} + other {round(split.other)} (dispatch, contention)")
     if row.get("commsched_partitioning"):
         line += f"; partitioning: {row['commsched_partitioning']}"
     return line

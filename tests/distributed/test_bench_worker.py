@@ -58,7 +58,7 @@ def test_summary_has_the_new_columns_and_the_breakdown(run):
     assert row["fsdp2_ms"] > 0 and row["speedup_vs_fsdp2"] > 0
     assert row["peak_rss_mib"] == {name: result["peak_rss_mib"] for name, result in run["systems"].items()}
     assert row["commsched_exposed_ms"] >= 0 and row["commsched_updates_ms"] >= 0
-    assert breakdown_line(row).startswith(f"demo-mlp 2 hosts 1 Gbit/s: {row['commsched_ms']:.0f} ms = compute ")
+    assert breakdown_line(row).startswith(f"demo-mlp 2 hosts 1 Gbit/s: {round(row['commsched_ms'])} ms = compute ")
     table = markdown([row])
     assert "| FSDP2 ms |" in table and "| torch FSDP2 MiB |" in table and "exposed communication" in table
     assert run["phases_s"]["peak_rss"] > 0 and run["phases_s"]["comparison"] > 0

@@ -90,6 +90,12 @@ def test_breakdown_line_from_a_summary():
     assert f"- {breakdown_line(row)}" in markdown([row])
 
 
+def test_breakdown_line_never_shows_minus_zero():
+    row = {"model": "m", "hosts": 2, "rate_gbit": 1.0, "commsched_ms": 100.0, "compute_ms": 90.2,
+           "commsched_exposed_ms": 8.0, "commsched_updates_ms": 2.0}
+    assert breakdown_line(row).endswith("+ other 0 (dispatch, contention)")
+
+
 def test_no_breakdown_without_commsched_figures():
     plain = run()
     del plain["systems"][OURS.name]["exposed_wait_s"]
