@@ -119,11 +119,11 @@ def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_
         assert model.never_used.weight.grad is None
 
 
-def case_no_sync_accumulation(rank, world_size, micro_steps=3):
-    """Gradients accumulated under no_sync, reduced once by the last backward."""
+def case_no_sync_accumulation(rank, world_size, micro_steps=3, steps=2, strategy=None):
+    """Gradients accumulated under no_sync, reduced once by the last backward. Returns the model."""
     model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
-    model, optimizer = commsched.prepare(model, optimizer, commsched.Strategy(bucket_cap_mb=0.002))
-    data = list(batches(world_size, iterations=2 * micro_steps))
+    model, optimizer = commsched.prepare(model, optimizer, strategy or commsched.Strategy(bucket_cap_mb=0.002))
+    data = list(batches(world_size, iterations=steps * micro_steps))
     for start in range(0, len(data), micro_steps):
         for k in range(micro_steps):
             x, y = data[start + k]
@@ -139,6 +139,7 @@ def case_no_sync_accumulation(rank, world_size, micro_steps=3):
         reference_optimizer.zero_grad()
     assert_same_parameters(model, reference)
     assert_equal_on_all_ranks(model)
+    return model
 
 
 def case_backward_twice_without_step(rank, world_size):

@@ -22,7 +22,8 @@ from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (
-    assert_equal_on_all_ranks, assert_same_parameters, batches, rank_slice, reference_backward, uses_aux,
+    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, rank_slice,
+    reference_backward, uses_aux,
 )
 from tests.distributed.test_scheduling import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
@@ -86,28 +87,8 @@ def case_unused_parameters(rank, world_size, optimizer_name, strategy, set_to_no
 
 def case_accumulation_across_the_change(rank, world_size, micro_steps=2):
     """Gradients accumulated under no_sync in the old buckets move into the new ones."""
-    torch.manual_seed(0)
-    model = ParityNet()
-    reference = copy.deepcopy(model)
-    optimizer = PARITY_OPTIMIZERS["adamw"](model.parameters())
-    reference_optimizer = PARITY_OPTIMIZERS["adamw"](reference.parameters())
-    model, optimizer = commsched.prepare(model, optimizer, TINY)
-    data = list(batches(world_size, iterations=(WARMUP_ITERATIONS + 2) * micro_steps))
-    for start in range(0, len(data), micro_steps):
-        for k in range(micro_steps):
-            x, y = data[start + k]
-            mine = rank_slice(rank)
-            context = model.no_sync() if k < micro_steps - 1 else torch.enable_grad()
-            with context:
-                F.mse_loss(model(x[mine], use_aux=uses_aux(start + k, rank)), y[mine]).backward()
-            reference_backward(reference, x, y, start + k, world_size)
-        optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+    model = case_no_sync_accumulation(rank, world_size, micro_steps, steps=WARMUP_ITERATIONS + 2, strategy=TINY)
     assert_relaid_out(model, rank)
-    assert_same_parameters(model, reference)
-    assert_equal_on_all_ranks(model)
 
 
 def cases_across_the_change(rank: int, world_size: int) -> None:
