@@ -27,6 +27,7 @@ fewer collectives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,8 +35,8 @@ import torch
 
 from commsched.buckets import bucket_layout
 from commsched.scheduler import LinkModel, make_partitions, simulate_schedule
+from commsched.strategy import Strategy
 
-MIB = 2**20
 COARSER_FACTOR = 4
 """The middle candidate: partitions (and credit) this many times the configured ones."""
 
@@ -95,6 +96,8 @@ class Choice:
 
     @property
     def reason(self) -> str:
+        if not self.predictions:  # a rank other than 0: it follows rank 0's choice
+            return f"rank 0's cost model chose {self.setting.describe()}"
         chosen = next(p for p in self.predictions if p.setting == self.setting)
         others = "; ".join(
             f"{p.setting.describe()}: {p.cost_s * 1e3:.2f} ms ({p.collectives} collectives)"
@@ -122,23 +125,21 @@ def candidates(configured: Setting) -> list[Setting]:
     return unique
 
 
-def bucket_limits(setting: Setting, bucket_cap_mb: float, first_bucket_mb: float) -> list[int]:
-    """Bucket size limits, as `Strategy.bucket_size_limits_bytes` derives them, for ``setting``."""
-    cap_mb = bucket_cap_mb if setting.partition_mb is None else min(bucket_cap_mb, setting.partition_mb)
-    return [int(min(first_bucket_mb, cap_mb) * MIB), int(cap_mb * MIB)]
+def applied(strategy: Strategy, setting: Setting) -> Strategy:
+    """``strategy`` with the partitioning of ``setting``."""
+    return dataclasses.replace(strategy, partition_mb=setting.partition_mb, credit_mb=setting.credit_mb)
 
 
 def predict(
     setting: Setting,
     params: Sequence[torch.Tensor],
     forward_order: Sequence[int],
-    limits: Sequence[int],
+    strategy: Strategy,
     timeline: Timeline,
-    by_priority: bool,
-    overlap_forward: bool,
 ) -> Prediction:
-    """Replay one iteration with ``setting`` on ``timeline``; see [Note: the cost model]."""
-    bucket_slots, priorities = bucket_layout(params, forward_order, limits)
+    """Replay one iteration of ``strategy`` with ``setting`` on ``timeline``; see [Note: the cost model]."""
+    candidate = applied(strategy, setting)
+    bucket_slots, priorities = bucket_layout(params, forward_order, candidate.bucket_size_limits_bytes)
     ready = timeline.slot_ready_s
     end_of_backward = max(ready, default=0.0)
     flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
@@ -147,14 +148,12 @@ def predict(
     ]
     numels = [sum(params[s].numel() for s in slots) for slots in bucket_slots]
     sizes = [params[slots[0]].element_size() for slots in bucket_slots]
-    partition_bytes = None if setting.partition_mb is None else max(1, int(setting.partition_mb * MIB))
-    credit_bytes = None if setting.credit_mb is None else max(1, int(setting.credit_mb * MIB))
-    partitions = make_partitions(numels, sizes, priorities, partition_bytes)
-    schedule = simulate_schedule(partitions, bucket_ready, timeline.link, credit_bytes, by_priority)
+    partitions = make_partitions(numels, sizes, priorities, candidate.partition_bytes)
+    schedule = simulate_schedule(partitions, bucket_ready, timeline.link, candidate.credit_bytes, strategy.priority)
     bucket_done = [end_of_backward] * len(bucket_slots)
     for p in partitions:
         bucket_done[p.bucket] = max(bucket_done[p.bucket], schedule.finish_s[p.pid])
-    if overlap_forward:
+    if strategy.overlap_forward:
         wait = _wait_at_forward(bucket_slots, bucket_done, params, forward_order, end_of_backward, timeline.forward_s)
         computing_until = end_of_backward + wait + timeline.forward_s
     else:
@@ -204,20 +203,12 @@ def _wait_at_forward(
 
 
 def choose(
-    configured: Setting,
-    params: Sequence[torch.Tensor],
-    forward_order: Sequence[int],
-    bucket_cap_mb: float,
-    first_bucket_mb: float,
-    timeline: Timeline,
-    by_priority: bool,
-    overlap_forward: bool,
+    strategy: Strategy, params: Sequence[torch.Tensor], forward_order: Sequence[int], timeline: Timeline
 ) -> Choice:
-    """The cheapest candidate by predicted cost; a tie goes to fewer collectives."""
+    """The cheapest candidate for ``strategy`` by predicted cost; a tie goes to fewer collectives."""
+    configured = Setting(strategy.partition_mb, strategy.credit_mb)
     predictions = tuple(
-        predict(setting, params, forward_order, bucket_limits(setting, bucket_cap_mb, first_bucket_mb),
-                timeline, by_priority, overlap_forward)
-        for setting in candidates(configured)
+        predict(setting, params, forward_order, strategy, timeline) for setting in candidates(configured)
     )
     best = min(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
     return Choice(best.setting, predictions)

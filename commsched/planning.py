@@ -162,7 +162,6 @@ def measure_link(
 
 
 def choose_on_rank0(
-    configured: Setting,
     layout: GradLayout,
     profile: ReadyTimeProfile,
     strategy: Strategy,
@@ -179,8 +178,7 @@ def choose_on_rank0(
     message = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank(group) == 0:
         timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link, cpu_share)
-        choice = choose(configured, layout.params, layout.forward_order, strategy.bucket_cap_mb,
-                        strategy.first_bucket_mb, timeline, strategy.priority, strategy.overlap_forward)
+        choice = choose(strategy, layout.params, layout.forward_order, timeline)
         message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
                                dtype=torch.float64)
     if dist.get_world_size(group) > 1:

@@ -15,7 +15,6 @@ are observers of the events it emits.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import time
 import weakref
@@ -43,7 +42,7 @@ from commsched.guards import (
 from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
-from commsched.cost_model import Choice, Setting
+from commsched.cost_model import Choice, Setting, applied
 from commsched.planning import ReadyTimeProfile, bucket_ready_s, choose_on_rank0, measure_latency, plan_on_rank0
 from commsched.reads import ParameterReads
 from commsched.scheduler import Plan, fifo_plan
@@ -178,9 +177,7 @@ class GradientReducer:
             strategy, group = self.strategy, self.process_group
             with self._peer_failures_explained():
                 if self.adapts:
-                    self.choice, latency_s = choose_on_rank0(
-                        Setting(strategy.partition_mb, strategy.credit_mb), self.layout, profile, strategy, group
-                    )
+                    self.choice, latency_s = choose_on_rank0(self.layout, profile, strategy, group)
                     self._use_partitioning(self.choice.setting)
                 else:
                     latency_s = measure_latency(group, strategy.timeout_s)
@@ -214,12 +211,10 @@ class GradientReducer:
         current = self.effective_strategy
         if (setting.partition_mb, setting.credit_mb) == (current.partition_mb, current.credit_mb):
             return
-        self.effective_strategy = dataclasses.replace(
-            self.strategy, partition_mb=setting.partition_mb, credit_mb=setting.credit_mb
-        )
+        self.effective_strategy = applied(self.strategy, setting)
         self._lay_out(self.layout.forward_order)
         logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
-                    len(self.layout.partitions), self.choice.reason if self.choice.predictions else setting.describe())
+                    len(self.layout.partitions), self.choice.reason)
 
     def _held_buckets(self) -> frozenset[int] | None:
         """Buckets issued only at the end of backward; see [Note: nested backward passes]."""

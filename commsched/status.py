@@ -137,4 +137,4 @@ def _partitioning(reducer: GradientReducer) -> str:
         return "as configured (Strategy.adaptive is off or does not apply)"
     if choice.predictions:
         return f"the cost model's choice: {choice.reason}"
-    return f"rank 0's cost model chose {choice.setting.describe()}"
+    return choice.reason

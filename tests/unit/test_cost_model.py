@@ -8,6 +8,7 @@ import torch
 
 from commsched.cost_model import Setting, Timeline, candidates, choose
 from commsched.scheduler import LinkModel
+from commsched.strategy import Strategy
 
 CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
 WHOLE = Setting(None, None)
@@ -25,9 +26,9 @@ def timeline(params, backward_s: float, forward_s: float, link: LinkModel) -> Ti
     return Timeline(tuple(ready), forward_s, link)
 
 
-def decide(params, line: Timeline, configured: Setting = CONFIGURED, overlap: bool = True):
-    return choose(configured, params, list(range(len(params))), 25.0, 1.0, line, by_priority=True,
-                  overlap_forward=overlap)
+def decide(params, line: Timeline, overlap: bool = True):
+    strategy = Strategy(partition_mb=CONFIGURED.partition_mb, credit_mb=CONFIGURED.credit_mb, overlap_forward=overlap)
+    return choose(strategy, params, list(range(len(params))), line)
 
 
 def test_candidates_are_configured_coarser_and_whole_buckets_once():
