@@ -19,8 +19,8 @@ from commsched.errors import wait_or_raise
 from commsched.events import Observer
 from commsched.layout import GradLayout
 from commsched.lifecycle import WARMUP_ITERATIONS
-from commsched.strategy import Strategy
 from commsched.scheduler import LinkModel, Partition, Plan, robust_plan, simulate_schedule
+from commsched.strategy import Strategy
 from commsched.transport.base import Handle
 
 CALIBRATION_BYTES = 8 * 2**20
@@ -111,13 +111,6 @@ def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: froz
     ]
 
 
-def _time_all_reduce(
-    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
-) -> float:
-    """Median time of an all-reduce of ``buffer`` (collective: every rank calls it)."""
-    return _all_reduce_times(buffer, group, timeout_s, repeats, what)[0]
-
-
 def _all_reduce_times(
     buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
 ) -> tuple[float, float]:
@@ -135,8 +128,8 @@ def _all_reduce_times(
 
 def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
     """Median time of a one-element all-reduce (collective: every rank calls it)."""
-    return _time_all_reduce(torch.zeros(1), group, timeout_s, repeats,
-                            "the latency measurement before agreeing on a plan")
+    return _all_reduce_times(torch.zeros(1), group, timeout_s, repeats,
+                             "the latency measurement before agreeing on a plan")[0]
 
 
 def measure_link(
@@ -154,7 +147,7 @@ def measure_link(
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     small = large // 8
     what = "the link measurement before choosing the partitioning"
-    small_s = _time_all_reduce(torch.zeros(small // 4), group, timeout_s, 3, what)
+    small_s, _ = _all_reduce_times(torch.zeros(small // 4), group, timeout_s, 3, what)
     large_s, cpu_share = _all_reduce_times(torch.zeros(large // 4), group, timeout_s, 3, what)
     bytes_per_s = (large - small) / max(large_s - small_s, 1e-9)
     fixed_s = max(large_s - large / bytes_per_s, latency_s)

@@ -24,25 +24,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 
 from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
-from torch.distributed.algorithms.join import Join
-
 from commsched.consistency import broadcast_from, broadcast_from_rank0
+from commsched.cost_model import Choice, Setting, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
 from commsched.gates import ForwardGates
-from commsched.join import highest_rank_still_training
 from commsched.guards import (
     BACKWARD_UNFINISHED, GRADIENTS_CHANGED_REASON, ParameterFingerprint, check_gradient_kind,
     gradients_touched_error, synchronize_during_backward_error,
 )
+from commsched.join import highest_rank_still_training
 from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
-from commsched.cost_model import Choice, Setting, applied
 from commsched.planning import ReadyTimeProfile, bucket_ready_s, choose_on_rank0, measure_latency, plan_on_rank0
 from commsched.reads import ParameterReads
 from commsched.scheduler import Plan, fifo_plan
