@@ -182,6 +182,7 @@ def hung_peer(rank: int, world_size: int, hang_at: int) -> float | None:
             train_step(model, optimizer)
         except commsched.CommunicationTimeout:
             pass
+        store.set("rank 1 is done", "1")
         return None
     start = time.monotonic()
     try:
@@ -190,6 +191,10 @@ def hung_peer(rank: int, world_size: int, hang_at: int) -> float | None:
         return time.monotonic() - start
     finally:
         store.set("rank 0 gave up", "1")
+        # Rank 1's late step completes the operations rank 0 left in flight; rank 0 must
+        # not reach interpreter shutdown before they do (a completion arriving during
+        # finalization aborts the process: see [Note: exit after a failure]).
+        store.wait(["rank 1 is done"])
 
 
 @pytest.mark.parametrize("hang_at", sorted(HANG_POINTS))
