@@ -41,6 +41,7 @@ import torch
 from commsched.completion import CallbackTracker
 from commsched.dispatch import Dispatcher
 from commsched.events import Observer
+from commsched.grad_scaling import GradScaling
 from commsched.guards import gradient_twice_error
 from commsched.layout import GradLayout
 from commsched.scheduler import Partition, Plan
@@ -99,6 +100,8 @@ class BackwardPass:
         self._flags_settled = False
         self.hyperparameters: Hyperparameters | None = None
         """Set by ``step()``: the updates are released, with these hyper-parameters."""
+        self.scaling: GradScaling | None = None
+        """Set by ``step()`` under a ``GradScaler``: the loss scale and its inf/NaN verdict."""
         self.stepped = False
         self.grads_final = False
         """``synchronize()`` ran: gradients are averaged and may be changed before ``step()``."""
@@ -207,7 +210,7 @@ class BackwardPass:
             self._settle_flags()
         if self.hyperparameters is not None and not self._updated[bucket]:
             started = time.perf_counter()
-            self._policy.update(bucket, self.hyperparameters, self._globally_unused)
+            self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.scaling)
             finished = time.perf_counter()
             self.figures.update_s += finished - started
             self._events.bucket_updated(bucket, started, finished)
@@ -248,9 +251,10 @@ class BackwardPass:
         self._unowned_slots = []
 
     # -------------------------------------------------------------------- step
-    def release_updates(self, hyperparameters: Hyperparameters) -> None:
+    def release_updates(self, hyperparameters: Hyperparameters, scaling: GradScaling | None = None) -> None:
         """``step()``: each bucket is updated once reduced (now, or at its gate)."""
         self.hyperparameters = hyperparameters
+        self.scaling = scaling
 
     def mark_updated(self) -> None:
         """The optimizer stepped every parameter itself (after every reduction)."""

@@ -33,6 +33,16 @@ def gradients_touched_error() -> RuntimeError:
     )
 
 
+def grad_scaler_after_warmup_error() -> RuntimeError:
+    return RuntimeError(
+        "a torch.amp.GradScaler stepped this optimizer for the first time after warm-up, while gradient "
+        "reductions were still in flight (Strategy.overlap_forward=True): its check for infs/NaNs read "
+        "gradients not yet averaged, so this step would be wrong. Use the GradScaler from the first "
+        "iteration (commsched then updates at step(), once every reduction is done), call "
+        "optimizer.synchronize() before scaler.step(optimizer), or use Strategy(overlap_forward=False)."
+    )
+
+
 def gradient_twice_error(name: str) -> RuntimeError:
     return RuntimeError(
         f"parameter '{name}' received its gradient twice in one backward pass: it is used both inside "

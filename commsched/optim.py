@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
 from commsched.foreign_optimizers import user_synchronized
+from commsched.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
 from commsched.lifecycle import Lifecycle
 from commsched.update.kinds import user_class
 
@@ -24,6 +26,10 @@ class CommschedOptimizer:
 
     _commsched_reducer: GradientReducer
 
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` hands ``step()`` the scale and its inf/NaN verdict instead of
+    unscaling gradients in place; see [Note: GradScaler] in commsched/grad_scaling.py."""
+
     def synchronize(self) -> None:
         """Block until every pending gradient reduction (and update) is done."""
         self._commsched_reducer.synchronize()
@@ -39,7 +45,16 @@ class CommschedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._commsched_reducer.step(super(CommschedOptimizer, self).step)  # type: ignore[misc]
+        optimizer_step = super(CommschedOptimizer, self).step  # type: ignore[misc]
+        scaling = GradScaling.given_to(self)  # type: ignore[arg-type]
+        if scaling is not None:
+            optimizer_step = functools.partial(step_as_grad_scaler_would, self, optimizer_step, scaling)
+        try:
+            self._commsched_reducer.step(optimizer_step, scaling)
+        except BaseException:
+            if scaling is not None:
+                forget_given(self)  # type: ignore[arg-type]
+            raise
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -34,9 +34,10 @@ from commsched.cost_model import Choice, Setting, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
 from commsched.gates import ForwardGates
+from commsched.grad_scaling import GRAD_SCALER_REASON, GradScaling
 from commsched.guards import (
     BACKWARD_UNFINISHED, GRADIENTS_CHANGED_REASON, ParameterFingerprint, check_gradient_kind,
-    gradients_touched_error, synchronize_during_backward_error,
+    grad_scaler_after_warmup_error, gradients_touched_error, synchronize_during_backward_error,
 )
 from commsched.join import highest_rank_still_training
 from commsched.layout import GradLayout, build_layout
@@ -438,13 +439,16 @@ class GradientReducer:
             # Gradients are final now: changing them before step() is legitimate.
             current.grads_final = True
 
-    def step(self, optimizer_step: Callable[[], Any]) -> None:
-        """Release this iteration's updates (all at once without overlap)."""
+    def step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None = None) -> None:
+        """Release this iteration's updates (all at once without overlap).
+
+        ``scaling``: what a ``GradScaler`` handed this step (see [Note: GradScaler]).
+        """
         started = time.perf_counter()
         reads = self._reads
         if reads is not None:
             reads.stop()
-        self._step(optimizer_step)
+        self._step(optimizer_step, scaling)
         if reads is not None:
             if self.lifecycle is Lifecycle.WARMUP:
                 reads.start()
@@ -452,7 +456,7 @@ class GradientReducer:
                 self._reads = None
         self._events.step_finished(started, time.perf_counter())
 
-    def _step(self, optimizer_step: Callable[[], Any]) -> None:
+    def _step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None) -> None:
         self._end_deferred_backward()
         current = self.current
         if self.lifecycle is Lifecycle.RELEASED:
@@ -478,17 +482,22 @@ class GradientReducer:
         if current is None:
             return
         changed = current.gradients_changed()
-        self.policy.check_step(changed)
-        if current.overlapping and changed and not current.grads_final:
-            raise gradients_touched_error()
+        self.policy.check_step(changed, scaled=scaling is not None)
+        if current.overlapping and not current.grads_final:
+            if scaling is not None:
+                raise grad_scaler_after_warmup_error()
+            if changed:
+                raise gradients_touched_error()
         current.stepped = True
-        current.release_updates(self.policy.snapshot())
+        current.release_updates(self.policy.snapshot(), scaling)
         if current.overlapping and self.updated_at_step:
             current.complete_buckets(self.updated_at_step)
         if not current.overlapping:
-            if self.lifecycle is Lifecycle.WARMUP and changed and self.overlap_off_reason is None:
-                self._overlap_blocked = GRADIENTS_CHANGED_REASON
-                logger.warning("commsched: overlap_forward is off from now on: %s", self._overlap_blocked)
+            if self.lifecycle is Lifecycle.WARMUP and self.overlap_off_reason is None:
+                reason = GRAD_SCALER_REASON if scaling is not None else GRADIENTS_CHANGED_REASON if changed else None
+                if reason is not None:
+                    self._overlap_blocked = reason
+                    logger.warning("commsched: overlap_forward is off from now on: %s", reason)
             self.synchronize()
 
     def before_zero_grad(self, set_to_none: bool) -> None:

@@ -20,6 +20,7 @@ from commsched.update.base import Hyperparameters
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
+    from commsched.grad_scaling import GradScaling
     from commsched.layout import GradLayout
 
 
@@ -40,7 +41,8 @@ class ServerSideUpdate:
         return hyperparameter_snapshot(self._optimizer, self._kind)
 
     @torch.no_grad()
-    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int],
+               scaling: GradScaling | None) -> None:
         stage = self._client.stages[bucket]
         for param, values in zip(stage.params, stage.grad_views, strict=True):
             param.copy_(values)
@@ -69,8 +71,16 @@ class ServerSideUpdate:
                 "optimizer.step() after the last backward()."
             )
 
-    def check_step(self, gradients_changed: bool) -> None:
+    def check_step(self, gradients_changed: bool, scaled: bool) -> None:
         """The servers updated with the gradients and hyper-parameters of backward() time."""
+        if scaled:
+            raise RuntimeError(
+                "a torch.amp.GradScaler steps this optimizer, but with Strategy(backend=ParameterServer(...)) "
+                "the gradients were pushed to the servers during backward(), still scaled, and the servers "
+                "run the optimizer without the scaler's unscaling or its inf/NaN check. Use the all-reduce "
+                "backend (Strategy(backend=AllReduce()), the default) for mixed precision with GradScaler; "
+                "bf16 autocast needs no GradScaler and works with parameter servers."
+            )
         if gradients_changed:
             raise RuntimeError(
                 "gradients were modified between backward() and step(), but with "

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from commsched.grad_scaling import GradScaling
     from commsched.layout import GradLayout
 
 Hyperparameters = list[dict[str, object]]
@@ -29,8 +30,10 @@ class UpdatePolicy(Protocol):
     def snapshot(self) -> Hyperparameters:
         """The hyper-parameters to update with, read at ``step()``."""
 
-    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
-        """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient)."""
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int],
+               scaling: GradScaling | None) -> None:
+        """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient;
+        ``scaling``: a ``GradScaler``'s scale and verdict, see [Note: GradScaler])."""
 
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """A ``step()`` without this pass's reduced gradients: a second one after
@@ -41,9 +44,10 @@ class UpdatePolicy(Protocol):
         """A synchronised backward pass is about to begin (``unstepped_backward``: the one
         before it had no ``step()``)."""
 
-    def check_step(self, gradients_changed: bool) -> None:
+    def check_step(self, gradients_changed: bool, scaled: bool) -> None:
         """At ``step()``: raise if this step cannot give the right parameters
-        (``gradients_changed``: in place, after they were issued)."""
+        (``gradients_changed``: in place, after they were issued; ``scaled``: a
+        ``GradScaler`` steps the optimizer)."""
 
     def fetch_optimizer_state(self) -> None:
         """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""

@@ -30,6 +30,7 @@ import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
+from commsched.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind
 
 FUSED_DTYPES = frozenset({torch.float32, torch.float64})
@@ -80,19 +81,34 @@ class BucketUpdater:
         return hyperparameter_snapshot(self.optimizer, self.kind)
 
     @torch.no_grad()
-    def update(self, bucket: int, hyperparameters: list[dict[str, object]], skip_slots: frozenset[int] = frozenset()) -> None:
-        """Update ``bucket``'s parameters, leaving out ``skip_slots`` (no gradient on any rank)."""
+    def update(self, bucket: int, hyperparameters: list[dict[str, object]], skip_slots: frozenset[int] = frozenset(),
+               scaling: GradScaling | None = None) -> None:
+        """Update ``bucket``'s parameters, leaving out ``skip_slots`` (no gradient on any rank).
+
+        ``scaling``: the gradients carry a ``GradScaler``'s scale, and its verdict
+        may skip the step (see [Note: GradScaler] in commsched/grad_scaling.py).
+        """
         for segment in self.segments[bucket]:
             params, grads = segment.params, segment.grads
             if skip_slots:
                 kept = [i for i, slot in enumerate(segment.slots) if slot not in skip_slots]
                 params, grads = [params[i] for i in kept], [grads[i] for i in kept]
-            if params:
-                hp = hyperparameters[segment.group]
-                if self.kind == "sgd":
-                    self._sgd(params, grads, hp)
+            if not params:
+                continue
+            hp = hyperparameters[segment.group]
+            flags = self._kernel_flags(params, hp)
+            scaled: dict[str, torch.Tensor | None] = {}
+            if scaling is not None:
+                if flags["fused"]:
+                    scaled = scaling.kernel_arguments(params[0].device)
+                elif scaling.skipped:
+                    continue
                 else:
-                    self._adam(params, grads, hp)
+                    scaling.unscale_(grads)
+            if self.kind == "sgd":
+                self._sgd(params, grads, hp, flags, scaled, scaling)
+            else:
+                self._adam(params, grads, hp, flags, scaled)
 
     def _kernel_flags(self, params: list, hp: dict[str, object]) -> dict[str, bool | None]:
         """The kernel: fused where requested and exact enough, else the param group's own choice."""
@@ -100,13 +116,13 @@ class BucketUpdater:
             return {"fused": True, "foreach": False}
         return {"fused": hp["fused"], "foreach": hp["foreach"]}
 
-    def _sgd(self, params: list, grads: list, hp: dict[str, object]) -> None:
+    def _sgd(self, params: list, grads: list, hp: dict[str, object], flags: dict[str, bool | None],
+             scaled: dict[str, torch.Tensor | None], scaling: GradScaling | None) -> None:
         state = self.optimizer.state
         momentum = hp["momentum"]
         kwargs = dict(
             weight_decay=hp["weight_decay"], momentum=momentum, lr=hp["lr"],
-            dampening=hp["dampening"], nesterov=hp["nesterov"], maximize=hp["maximize"],
-            **self._kernel_flags(params, hp),
+            dampening=hp["dampening"], nesterov=hp["nesterov"], maximize=hp["maximize"], **flags, **scaled,
         )
         if momentum == 0:
             functional_sgd(params, grads, [None] * len(params), **kwargs)
@@ -118,15 +134,19 @@ class BucketUpdater:
             chosen = [i for i, b in enumerate(buffers) if (b is not None) == has_buffer]
             if not chosen:
                 continue
+            if not has_buffer and scaled and scaling.skipped:
+                # The fused kernel's first step makes uninitialised buffers, which a
+                # skipped step would leave as they are: take no first step instead.
+                continue
             chosen_buffers = [buffers[i] for i in chosen]
             functional_sgd([params[i] for i in chosen], [grads[i] for i in chosen], chosen_buffers, **kwargs)
             for i, buffer in zip(chosen, chosen_buffers):
                 state[params[i]]["momentum_buffer"] = buffer
 
-    def _adam(self, params: list, grads: list, hp: dict[str, object]) -> None:
+    def _adam(self, params: list, grads: list, hp: dict[str, object], flags: dict[str, bool | None],
+              scaled: dict[str, torch.Tensor | None]) -> None:
         state = self.optimizer.state
         amsgrad = hp["amsgrad"]
-        flags = self._kernel_flags(params, hp)
         fused = bool(flags["fused"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         for param in params:
@@ -151,5 +171,5 @@ class BucketUpdater:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
             decoupled_weight_decay=self.kind == "adamw" if decoupled is None else bool(decoupled),
             amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=hp["lr"],
-            weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=hp["maximize"], **flags,
+            weight_decay=hp["weight_decay"], eps=hp["eps"], maximize=hp["maximize"], **flags, **scaled,
         )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from commsched.strategy import Strategy
+from commsched.grad_scaling import GradScaling
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.kinds import unsupported_reason
@@ -47,8 +48,9 @@ class LocalUpdate:
     def snapshot(self) -> Hyperparameters:
         return self._updater.snapshot()
 
-    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int]) -> None:
-        self._updater.update(bucket, hyperparameters, skip_slots)
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int],
+               scaling: GradScaling | None) -> None:
+        self._updater.update(bucket, hyperparameters, skip_slots, scaling)
 
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """The reductions are done and ``.grad`` is what torch.optim would see: its own step is exact."""
@@ -57,8 +59,9 @@ class LocalUpdate:
     def before_backward(self, unstepped_backward: bool) -> None:
         """Two backward passes before one step accumulate, as in single-process training."""
 
-    def check_step(self, gradients_changed: bool) -> None:
-        """Changed gradients are averaged gradients changed here: the forward-overlap guard decides."""
+    def check_step(self, gradients_changed: bool, scaled: bool) -> None:
+        """Changed gradients are averaged gradients changed here, and the scale is applied here:
+        the forward-overlap guard decides."""
 
     def fetch_optimizer_state(self) -> None:
         """The state is the user's optimizer's own."""

@@ -231,6 +231,13 @@ def _misuse_clip(model, optimizer, x, y, rank):
         optimizer.step()
 
 
+def _misuse_grad_scaler(model, optimizer, x, y, rank):
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)])).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler steps this optimizer, but with Strategy\(backend=ParameterServer"):
+        scaler.step(optimizer)
+
+
 def _misuse_lr_change(model, optimizer, x, y, rank):
     F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
     optimizer.param_groups[0]["lr"] = 0.5
@@ -264,7 +271,7 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
     """Each misuse on a fresh prepare (an error leaves the workers and servers out of step)."""
     workers = world_size - servers
     x, y = next(batches(workers))
-    for misuse in (_misuse_clip, _misuse_lr_change, _misuse_backward_twice, _misuse_zero_grad_before_step,
+    for misuse in (_misuse_clip, _misuse_grad_scaler, _misuse_lr_change, _misuse_backward_twice, _misuse_zero_grad_before_step,
                    _misuse_step_twice_on_gradients):
         model, optimizer, _, _ = fresh_pair("sgd")
         if prepare_or_serve(model, optimizer, servers) is None:

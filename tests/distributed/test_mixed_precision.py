@@ -1,0 +1,166 @@
+"""Mixed precision: ``torch.amp.GradScaler`` and bf16 autocast train exactly like one process.
+
+The scaler's steps are checked where they matter: a step skipped on an inf/NaN
+(the first one, while momentum buffers do not exist yet, and later ones), the
+scale it backs off and grows again, an explicit ``scaler.unscale_`` before
+clipping, for every update path (fused per bucket, per bucket with the param
+group's own kernel, the user's optimizer stepping itself with and without its
+own scaling support). Infs come from the data, so one process sees them too.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import commsched
+from commsched.grad_scaling import GRAD_SCALER_REASON
+from commsched.testing import run_ranks, run_subtests
+
+pytestmark = pytest.mark.distributed
+
+PER_RANK = 4
+ITERATIONS = 10
+"""Past warm-up (3 iterations) and the plan, so every later phase is exercised."""
+INF_AT = (0, 4, 7)
+"""Iterations whose batch holds an inf: the scaler skips them and halves its scale."""
+SLOW_RANK_S = 0.2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.hidden = nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(self.first(x)))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "fused adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+}
+
+STRATEGIES = {
+    "default": commsched.Strategy(),
+    "no overlap": commsched.Strategy(overlap_forward=False),
+    "no priority": commsched.Strategy(priority=False),
+    "unfused, no overlap": commsched.Strategy(fuse_optimizer=False, overlap_forward=False),
+    "small partitions": commsched.Strategy(partition_mb=0.001, credit_mb=0.002, adaptive=False),
+}
+
+
+def train(model, optimizer, world_size, rank, loop, scaler=None):
+    """``ITERATIONS`` steps on rank ``rank``'s slice of each batch, or (None) on the whole batch.
+
+    Returns the parameters and the scale after each step.
+    """
+    generator = torch.Generator().manual_seed(11)
+    scales = []
+    for iteration in range(ITERATIONS):
+        x = torch.randn(world_size * PER_RANK, 8, generator=generator)
+        y = torch.randn(world_size * PER_RANK, 4, generator=generator)
+        if scaler is not None and iteration in INF_AT:
+            x[1, 3] = float("inf")  # rank 0's sample: only rank 0 produces the inf
+            if rank == 0:
+                # A slow rank 0: rank 1's reductions are still in flight when it reaches step(),
+                # so a scaler that checked rank 1's own gradients would find no inf there.
+                time.sleep(SLOW_RANK_S)
+        mine = range(world_size) if rank is None else [rank]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loop == "bf16 autocast"):
+            loss = sum(F.mse_loss(model(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
+                       for r in mine) / len(mine)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            if loop == "unscale and clip":
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        optimizer.zero_grad()
+    if hasattr(optimizer, "synchronize"):
+        optimizer.synchronize()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, scales
+
+
+def new_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+
+
+def case(world_size, rank, strategy, optimizer_name, loop):
+    def run() -> None:
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+        reference = copy.deepcopy(model)
+        reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+        scaled = loop != "bf16 autocast"
+        model, optimizer = commsched.prepare(model, optimizer, strategy)
+        got, got_scales = train(model, optimizer, world_size, rank, loop, new_scaler() if scaled else None)
+        status = commsched.status(model)
+        commsched.release(model)
+        want, want_scales = train(reference, reference_optimizer, world_size, None, loop,
+                                  new_scaler() if scaled else None)
+        assert got_scales == want_scales  # the same steps skipped, on every rank
+        tolerance = {"rtol": 1e-5, "atol": 1e-6} if scaled else {"rtol": 2e-2, "atol": 2e-3}
+        for name, value in want.items():
+            assert torch.isfinite(got[name]).all(), name
+            torch.testing.assert_close(got[name], value, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+        if scaled and strategy.overlap_forward and optimizer_name != "rmsprop":
+            assert status.overlap_off_reason == GRAD_SCALER_REASON
+
+    return run
+
+
+def scaler_first_seen_after_warmup(rank: int, world_size: int) -> None:
+    """With reductions in flight, the scaler's inf check read gradients not yet averaged: refused."""
+    torch.manual_seed(0)
+    model = Net()
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd"](model.parameters()), commsched.Strategy())
+    x, y = torch.randn(PER_RANK, 8), torch.randn(PER_RANK, 4)
+    try:
+        for _ in range(5):
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert commsched.status(model).overlapping
+        scaler = new_scaler()
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        with pytest.raises(RuntimeError, match=r"GradScaler stepped this optimizer for the first time after warm-up"):
+            scaler.step(optimizer)
+        assert not hasattr(optimizer, "found_inf")  # a plain step() afterwards is not taken for a scaled one
+    finally:
+        commsched.release(model)
+
+
+def mixed_precision_cases(rank: int, world_size: int) -> None:
+    cases = {}
+    for label, strategy in STRATEGIES.items():
+        for optimizer_name in ("sgd", "adam"):
+            cases[f"{label} {optimizer_name} scaler"] = case(world_size, rank, strategy, optimizer_name, "plain")
+        cases[f"{label} sgd unscale and clip"] = case(world_size, rank, strategy, "sgd", "unscale and clip")
+    for optimizer_name in ("fused adamw", "rmsprop"):
+        for label in ("default", "unfused, no overlap"):
+            cases[f"{label} {optimizer_name} scaler"] = case(
+                world_size, rank, STRATEGIES[label], optimizer_name, "plain")
+    for label in ("default", "no overlap"):
+        cases[f"{label} sgd bf16 autocast"] = case(world_size, rank, STRATEGIES[label], "sgd", "bf16 autocast")
+    cases["scaler first seen after warm-up"] = lambda: scaler_first_seen_after_warmup(rank, world_size)
+    run_subtests(cases)
+
+
+def test_mixed_precision_matches_one_process():
+    run_ranks(mixed_precision_cases, 2, timeout_s=400)
