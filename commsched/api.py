@@ -22,6 +22,7 @@ from commsched.consistency import (
     verify_same_across_ranks,
     verify_setup_across_ranks,
 )
+from commsched.control import control_group_for
 from commsched.foreign_optimizers import watch_foreign_optimizers
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
@@ -64,7 +65,7 @@ def prepare(
             "commsched.prepare() was already called on this model; call it once per model "
             "and keep using the model it returned"
         )
-    group = _agree(model, optimizer, strategy, process_group)
+    group, control_group = _agree(model, optimizer, strategy, process_group)
     if strategy.parameter_server:
         side = join_parameter_server_job(model, optimizer, strategy)
         if isinstance(side, ParameterServer):
@@ -73,7 +74,8 @@ def prepare(
     else:
         transport = AllReduceTransport(group)
         reducer = GradientReducer(
-            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _control_group(strategy, group)
+            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _buffer_group(strategy, group),
+            control_group,
         )
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
@@ -103,15 +105,17 @@ def _agree(
     optimizer: torch.optim.Optimizer | None,
     strategy: Strategy,
     process_group: dist.ProcessGroup | None,
-) -> dist.ProcessGroup:
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Validate, check that every rank has the same model and setup, copy rank 0's values.
 
     A check that fails on this rank alone is first told to the others, so that
     every rank raises instead of the others waiting for it. The model is
     compared first: a parameter missing on one rank would otherwise show as a
-    different optimizer.
+    different optimizer. Returns the group and its control group (see
+    [Note: control messages] in commsched/control.py), on which the checks ran.
     """
     group = _resolve_process_group(process_group)
+    control = control_group_for(group)
     try:
         _check_locally(model, optimizer, strategy, group)
         setup = [checks_entry(None), *describe_setup(strategy, model, optimizer)]
@@ -120,12 +124,13 @@ def _agree(
         setup, problem = [checks_entry(error)], error
     descriptions = [describe_tensor("parameter", n, p) for n, p in model.named_parameters()]
     descriptions += [describe_tensor("buffer", n, b) for n, b in model.named_buffers()]
-    verify_same_across_ranks(descriptions, group, strategy.timeout_s)
-    verify_setup_across_ranks(setup, group, strategy.timeout_s)
+    verify_same_across_ranks(descriptions, control, strategy.timeout_s)
+    verify_setup_across_ranks(setup, control, strategy.timeout_s)
     if problem is not None:
         raise problem
-    broadcast_from_rank0([*model.parameters(), *model.buffers()], group, strategy.timeout_s)
-    return group
+    broadcast_from_rank0([*model.parameters(), *model.buffers()], group, strategy.timeout_s,
+                         cpu_group=None if control is group else control)
+    return group, control
 
 
 def _check_locally(
@@ -181,7 +186,7 @@ def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
     return model._commsched_reducer
 
 
-def _control_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """A second group for buffer broadcasts and Join's counts, so they never queue behind gradients.
 
     With forward overlap, gradient reductions are still in flight when the next

@@ -228,18 +228,22 @@ def _gather_texts(text: str, group: dist.ProcessGroup, timeout_s: float | None, 
 
 @torch.no_grad()
 def broadcast_from_rank0(
-    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, timeout_s: float | None = None
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup, timeout_s: float | None = None,
+    cpu_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Overwrite ``tensors`` with rank 0's values (see `broadcast_from`)."""
-    broadcast_from(tensors, 0, group, timeout_s)
+    broadcast_from(tensors, 0, group, timeout_s, cpu_group)
 
 
 def broadcast_from(
-    tensors: Iterable[torch.Tensor], source: int, group: dist.ProcessGroup, timeout_s: float | None = None
+    tensors: Iterable[torch.Tensor], source: int, group: dist.ProcessGroup, timeout_s: float | None = None,
+    cpu_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Overwrite ``tensors`` with group rank ``source``'s values, one collective per dtype and device.
 
     With ``timeout_s``, a peer that never joins raises `CommunicationTimeout`.
+    CPU tensors go on ``cpu_group`` where given (the control group of a group
+    without a CPU backend; see [Note: control messages] in commsched/control.py).
     """
     if dist.get_world_size(group) == 1:
         return
@@ -247,9 +251,10 @@ def broadcast_from(
     for tensor in tensors:
         by_kind[(tensor.dtype, tensor.device)].append(tensor)
     is_source = dist.get_rank(group) == source
-    for same_kind in by_kind.values():
+    for (_, device), same_kind in by_kind.items():
         flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-        work = dist.broadcast(flat, group=group, group_src=source, async_op=True)
+        on = cpu_group if cpu_group is not None and device.type == "cpu" else group
+        work = dist.broadcast(flat, group=on, group_src=source, async_op=True)
         if timeout_s is None:
             work.wait()
         else:

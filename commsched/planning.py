@@ -126,14 +126,14 @@ def _all_reduce_times(
     return statistics.median(samples), statistics.median(cpu_shares)
 
 
-def measure_latency(group: dist.ProcessGroup, timeout_s: float, repeats: int = 5) -> float:
-    """Median time of a one-element all-reduce (collective: every rank calls it)."""
-    return _all_reduce_times(torch.zeros(1), group, timeout_s, repeats,
+def measure_latency(group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = 5) -> float:
+    """Median time of a one-element all-reduce on ``device`` (collective: every rank calls it)."""
+    return _all_reduce_times(torch.zeros(1, device=device), group, timeout_s, repeats,
                              "the latency measurement before agreeing on a plan")[0]
 
 
 def measure_link(
-    group: dist.ProcessGroup, nbytes: int, latency_s: float, timeout_s: float
+    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
 ) -> tuple[LinkModel, float]:
     """An all-reduce's cost as ``a + n / b``, fitted to two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
@@ -147,8 +147,8 @@ def measure_link(
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     small = large // 8
     what = "the link measurement before choosing the partitioning"
-    small_s, _ = _all_reduce_times(torch.zeros(small // 4), group, timeout_s, 3, what)
-    large_s, cpu_share = _all_reduce_times(torch.zeros(large // 4), group, timeout_s, 3, what)
+    small_s, _ = _all_reduce_times(torch.zeros(small // 4, device=device), group, timeout_s, 3, what)
+    large_s, cpu_share = _all_reduce_times(torch.zeros(large // 4, device=device), group, timeout_s, 3, what)
     bytes_per_s = (large - small) / max(large_s - small_s, 1e-9)
     fixed_s = max(large_s - large / bytes_per_s, latency_s)
     return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
@@ -159,14 +159,19 @@ def choose_on_rank0(
     profile: ReadyTimeProfile,
     strategy: Strategy,
     group: dist.ProcessGroup,
+    control_group: dist.ProcessGroup,
 ) -> tuple[Choice, float]:
     """Rank 0 runs the cost model; every rank gets its setting. See [Note: the cost model].
 
-    Collective. Returns rank 0's `Choice` (on other ranks, its setting only)
-    and a one-element all-reduce's time as this rank measured it (for the plan).
+    Collective. The link is measured on ``group`` with tensors on the
+    gradients' device; the choice goes out on ``control_group``. Returns rank
+    0's `Choice` (on other ranks, its setting only) and a one-element
+    all-reduce's time as this rank measured it (for the plan).
     """
-    latency_s = measure_latency(group, strategy.timeout_s)
-    link, cpu_share = measure_link(group, sum(b.nbytes for b in layout.buckets), latency_s, strategy.timeout_s)
+    device = layout.buckets[0].flat.device
+    latency_s = measure_latency(group, device, strategy.timeout_s)
+    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s,
+                                   strategy.timeout_s)
     choice = None
     message = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank(group) == 0:
@@ -174,8 +179,8 @@ def choose_on_rank0(
         choice = choose(strategy, layout.params, layout.forward_order, timeline)
         message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
                                dtype=torch.float64)
-    if dist.get_world_size(group) > 1:
-        work = dist.broadcast(message, group=group, group_src=0, async_op=True)
+    if dist.get_world_size(control_group) > 1:
+        work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
         wait_or_raise(work, strategy.timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
         choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())

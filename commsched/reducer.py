@@ -30,6 +30,7 @@ from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from commsched.consistency import broadcast_from, broadcast_from_rank0
+from commsched.control import takes_cpu_tensors
 from commsched.cost_model import Choice, Setting, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
@@ -68,14 +69,17 @@ class GradientReducer:
         policy: UpdatePolicy,
         process_group: dist.ProcessGroup,
         buffer_group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
     ):
         self.module = module
         self.strategy = strategy
         self.transport = transport
         self.policy = policy
         self.process_group = process_group
-        """The replicas: order and plan agreements run on it."""
+        """The replicas: the link is measured on it."""
         self.buffer_group = buffer_group or process_group
+        self.control_group = control_group or process_group
+        """Order, choice and plan agreements; see [Note: control messages] in commsched/control.py."""
         self.lifecycle = Lifecycle.RECORDING
         self.effective_strategy = strategy
         """The strategy in use: ``strategy`` with the partitioning the cost model chose
@@ -174,16 +178,17 @@ class GradientReducer:
         profile = self._profile
         if profile is not None:
             started = time.perf_counter()
-            strategy, group = self.strategy, self.process_group
+            strategy, group, control = self.strategy, self.process_group, self.control_group
+            device = self._params[0].device
             with self._peer_failures_explained():
                 if self.adapts:
-                    self.choice, latency_s = choose_on_rank0(self.layout, profile, strategy, group)
+                    self.choice, latency_s = choose_on_rank0(self.layout, profile, strategy, group, control)
                     self._use_partitioning(self.choice.setting)
                 else:
-                    latency_s = measure_latency(group, strategy.timeout_s)
+                    latency_s = measure_latency(group, device, strategy.timeout_s)
                 ready = bucket_ready_s(profile.median_slot_ready_s(), self.layout, self._held_buckets() or frozenset())
                 self.plan = plan_on_rank0(self.layout.partitions, ready, profile, latency_s,
-                                          self.effective_strategy.credit_bytes, group, strategy.timeout_s)
+                                          self.effective_strategy.credit_bytes, control, strategy.timeout_s)
             self._events.unsubscribe(profile)
             self._profile = None
             new_order = self.plan.order
@@ -358,9 +363,9 @@ class GradientReducer:
 
     @property
     def join_device(self) -> torch.device:
-        if dist.get_backend(self.join_process_group) == "nccl":
-            return self._params[0].device
-        return torch.device("cpu")
+        if takes_cpu_tensors(self.join_process_group):
+            return torch.device("cpu")
+        return self._params[0].device
 
     @property
     def join_enabled(self) -> bool:
@@ -395,7 +400,7 @@ class GradientReducer:
     def _after_first_forward(self, order: list[int], used_before_owner: set[int]) -> None:
         self._first_forward = None
         with self._peer_failures_explained():
-            order = agree_on_order(order, self.process_group, self.strategy.timeout_s)
+            order = agree_on_order(order, self.control_group, self.strategy.timeout_s)
         self._build(order, used_before_owner)
 
     def _wait_for_buckets(self, buckets: tuple[int, ...]) -> None:
@@ -570,12 +575,13 @@ class GradientReducer:
             self._tracker.drain(timeout_s=FAILED_DRAIN_S)
             self._tracker.abandon()
             abandon_process_groups([self.process_group], abort=False)  # the caller's, or the job's default group
-            abandon_process_groups([self.buffer_group], abort=True)  # commsched's own, when it has one
+            # commsched's own, when it has them:
+            abandon_process_groups([self.buffer_group, self.control_group], abort=True)
         self.transport.finish()
         self._tracker.drain()
         if self.current is not None:
             self.current.drop_handles()
-        self.process_group = self.buffer_group = None  # type: ignore[assignment]
+        self.process_group = self.buffer_group = self.control_group = None  # type: ignore[assignment]
         self.transport.forget_process_groups()
         self._events.closed()
 

@@ -12,11 +12,13 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
 from commsched import ParameterServer, Strategy
+from commsched.control import takes_cpu_tensors
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 
@@ -195,6 +197,45 @@ def case_trace_dir_may_differ(rank: int):
     return case
 
 
+def group_without_cpu_backend():
+    """A real group that refuses CPU tensors, as NCCL does: gloo registered for CUDA tensors only."""
+    return dist.new_group(backend="cuda:gloo")
+
+
+def case_group_without_cpu_backend(rank: int):
+    """prepare()'s agreement and rank 0's values reach every rank over commsched's control group."""
+    def case():
+        group = group_without_cpu_backend()
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.all_reduce(torch.zeros(1), group=group)  # what the agreement would run into on the group itself
+        model, params = model_and_params()
+        want = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(rank)
+        model, _ = commsched.prepare(model, sgd(params), process_group=group)
+        try:
+            control = model._commsched_reducer.control_group
+            assert control is not group and takes_cpu_tensors(control)
+            for got, value in zip(model.parameters(), want):
+                torch.testing.assert_close(got.detach(), value, rtol=0, atol=0)
+        finally:
+            commsched.release(model)
+
+    return case
+
+
+def case_group_without_cpu_backend_reports_difference(rank: int):
+    def case():
+        group = group_without_cpu_backend()
+        model, params = model_and_params()
+        optimizer = sgd(params, lr=0.2 if rank == ODD_RANK else 0.1)
+        with pytest.raises(ValueError, match=differs_message(rank, "optimizer.param_groups[0]['lr']", ("0.1", "0.2"))):
+            commsched.prepare(model, optimizer, process_group=group)
+
+    return case
+
+
 def train_step(model, optimizer):
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     F.mse_loss(model(x), y).backward()
@@ -232,6 +273,8 @@ def agreement_grid(rank: int, world_size: int) -> float | None:
         "no_trainable_parameters": case_no_trainable_parameters,
         "frozen_on_one_rank": case_frozen_on_one_rank(rank),
         "trace_dir_may_differ": case_trace_dir_may_differ(rank),
+        "group_without_cpu_backend": case_group_without_cpu_backend(rank),
+        "group_without_cpu_backend_reports_difference": case_group_without_cpu_backend_reports_difference(rank),
     })
     return silent_rank(rank)  # last: it leaves the group's collectives unmatched
 
