@@ -46,12 +46,14 @@ def run_ranks(
     collective_timeout_s: float = 60.0,
     threads_per_rank: int = 1,
     env: Mapping[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Spawn ``world_size`` ranks running ``fn``; return their results in rank order.
 
     ``fn`` must be importable (defined at module level). ``collective_timeout_s``
     is the process group's timeout, so a collective that a failed peer never
-    joins errors out instead of waiting for torch's default 30 minutes.
+    joins errors out instead of waiting for torch's default 30 minutes. With
+    ``backend="nccl"``, rank ``r`` uses CUDA device ``r`` (modulo the count).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -63,7 +65,7 @@ def run_ranks(
         context.Process(
             target=_rank_main,
             args=(fn, rank, world_size, store.port, args, results, collective_timeout_s,
-                  threads_per_rank, child_env),
+                  threads_per_rank, child_env, backend),
             name=f"commsched-rank{rank}",
             daemon=True,
         )
@@ -150,14 +152,17 @@ def _rank_main(
     collective_timeout_s: float,
     threads_per_rank: int,
     env: Mapping[str, str],
+    backend: str,
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads_per_rank)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=collective_timeout_s))
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         value = fn(rank, world_size, *args)

@@ -6,6 +6,7 @@ scale it backs off and grows again, an explicit ``scaler.unscale_`` before
 clipping, for every update path (fused per bucket, per bucket with the param
 group's own kernel, the user's optimizer stepping itself with and without its
 own scaling support). Infs come from the data, so one process sees them too.
+``tests/gpu/`` runs the same cases on CUDA.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ STRATEGIES = {
 }
 
 
-def train(model, optimizer, world_size, rank, loop, scaler=None):
+def train(model, optimizer, world_size, rank, loop, scaler=None, device="cpu"):
     """``ITERATIONS`` steps on rank ``rank``'s slice of each batch, or (None) on the whole batch.
 
     Returns the parameters and the scale after each step.
@@ -69,6 +70,7 @@ def train(model, optimizer, world_size, rank, loop, scaler=None):
     for iteration in range(ITERATIONS):
         x = torch.randn(world_size * PER_RANK, 8, generator=generator)
         y = torch.randn(world_size * PER_RANK, 4, generator=generator)
+        x, y = x.to(device), y.to(device)
         if scaler is not None and iteration in INF_AT:
             x[1, 3] = float("inf")  # rank 0's sample: only rank 0 produces the inf
             if rank == 0:
@@ -76,7 +78,7 @@ def train(model, optimizer, world_size, rank, loop, scaler=None):
                 # so a scaler that checked rank 1's own gradients would find no inf there.
                 time.sleep(SLOW_RANK_S)
         mine = range(world_size) if rank is None else [rank]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loop == "bf16 autocast"):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=loop == "bf16 autocast"):
             loss = sum(F.mse_loss(model(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
                        for r in mine) / len(mine)
         if scaler is None:
@@ -96,24 +98,25 @@ def train(model, optimizer, world_size, rank, loop, scaler=None):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, scales
 
 
-def new_scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+def new_scaler(device: str = "cpu") -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**16, growth_interval=2)
 
 
-def case(world_size, rank, strategy, optimizer_name, loop):
+def case(world_size, rank, strategy, optimizer_name, loop, device="cpu"):
     def run() -> None:
         torch.manual_seed(0)
-        model = Net()
+        model = Net().to(device)
         optimizer = OPTIMIZERS[optimizer_name](model.parameters())
         reference = copy.deepcopy(model)
         reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
         scaled = loop != "bf16 autocast"
         model, optimizer = commsched.prepare(model, optimizer, strategy)
-        got, got_scales = train(model, optimizer, world_size, rank, loop, new_scaler() if scaled else None)
+        got, got_scales = train(model, optimizer, world_size, rank, loop, new_scaler(device) if scaled else None,
+                                device)
         status = commsched.status(model)
         commsched.release(model)
         want, want_scales = train(reference, reference_optimizer, world_size, None, loop,
-                                  new_scaler() if scaled else None)
+                                  new_scaler(device) if scaled else None, device)
         assert got_scales == want_scales  # the same steps skipped, on every rank
         tolerance = {"rtol": 1e-5, "atol": 1e-6} if scaled else {"rtol": 2e-2, "atol": 2e-3}
         for name, value in want.items():
@@ -125,19 +128,19 @@ def case(world_size, rank, strategy, optimizer_name, loop):
     return run
 
 
-def scaler_first_seen_after_warmup(rank: int, world_size: int) -> None:
+def scaler_first_seen_after_warmup(rank: int, world_size: int, device: str = "cpu") -> None:
     """With reductions in flight, the scaler's inf check read gradients not yet averaged: refused."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd"](model.parameters()), commsched.Strategy())
-    x, y = torch.randn(PER_RANK, 8), torch.randn(PER_RANK, 4)
+    x, y = torch.randn(PER_RANK, 8, device=device), torch.randn(PER_RANK, 4, device=device)
     try:
         for _ in range(5):
             F.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
         assert commsched.status(model).overlapping
-        scaler = new_scaler()
+        scaler = new_scaler(device)
         scaler.scale(F.mse_loss(model(x), y)).backward()
         with pytest.raises(RuntimeError, match=r"GradScaler stepped this optimizer for the first time after warm-up"):
             scaler.step(optimizer)
@@ -146,21 +149,29 @@ def scaler_first_seen_after_warmup(rank: int, world_size: int) -> None:
         commsched.release(model)
 
 
-def mixed_precision_cases(rank: int, world_size: int) -> None:
+def mixed_precision_cases(rank: int, world_size: int, device: str = "cpu") -> None:
     cases = {}
     for label, strategy in STRATEGIES.items():
         for optimizer_name in ("sgd", "adam"):
-            cases[f"{label} {optimizer_name} scaler"] = case(world_size, rank, strategy, optimizer_name, "plain")
-        cases[f"{label} sgd unscale and clip"] = case(world_size, rank, strategy, "sgd", "unscale and clip")
+            cases[f"{label} {optimizer_name} scaler"] = case(
+                world_size, rank, strategy, optimizer_name, "plain", device)
+        cases[f"{label} sgd unscale and clip"] = case(world_size, rank, strategy, "sgd", "unscale and clip", device)
     for optimizer_name in ("fused adamw", "rmsprop"):
         for label in ("default", "unfused, no overlap"):
             cases[f"{label} {optimizer_name} scaler"] = case(
-                world_size, rank, STRATEGIES[label], optimizer_name, "plain")
+                world_size, rank, STRATEGIES[label], optimizer_name, "plain", device)
     for label in ("default", "no overlap"):
-        cases[f"{label} sgd bf16 autocast"] = case(world_size, rank, STRATEGIES[label], "sgd", "bf16 autocast")
-    cases["scaler first seen after warm-up"] = lambda: scaler_first_seen_after_warmup(rank, world_size)
+        cases[f"{label} sgd bf16 autocast"] = case(
+            world_size, rank, STRATEGIES[label], "sgd", "bf16 autocast", device)
+    if world_size > 1:  # one rank has nothing in flight
+        cases["scaler first seen after warm-up"] = lambda: scaler_first_seen_after_warmup(rank, world_size, device)
     run_subtests(cases)
 
 
 def test_mixed_precision_matches_one_process():
     run_ranks(mixed_precision_cases, 2, timeout_s=400)
+
+
+def test_mixed_precision_one_rank():
+    """The cases tests/gpu runs on one NCCL rank, here on CPU."""
+    run_ranks(mixed_precision_cases, 1, timeout_s=400)
