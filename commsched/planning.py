@@ -10,10 +10,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from commsched.autotune import Decision
 from commsched.cost_model import Choice, Setting, Timeline, choose
 from commsched.errors import wait_or_raise
 from commsched.events import Observer
@@ -160,19 +162,20 @@ def choose_on_rank0(
     strategy: Strategy,
     group: dist.ProcessGroup,
     control_group: dist.ProcessGroup,
-) -> tuple[Choice, float]:
+) -> tuple[Choice, float, Timeline | None]:
     """Rank 0 runs the cost model; every rank gets its setting. See [Note: the cost model].
 
     Collective. The link is measured on ``group`` with tensors on the
     gradients' device; the choice goes out on ``control_group``. Returns rank
-    0's `Choice` (on other ranks, its setting only) and a one-element
-    all-reduce's time as this rank measured it (for the plan).
+    0's `Choice` (on other ranks, its setting only), a one-element
+    all-reduce's time as this rank measured it (for the plan), and on rank 0
+    the timeline the cost model saw (None elsewhere).
     """
     device = layout.buckets[0].flat.device
     latency_s = measure_latency(group, device, strategy.timeout_s)
     link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s,
                                    strategy.timeout_s)
-    choice = None
+    choice = timeline = None
     message = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank(group) == 0:
         timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link, cpu_share)
@@ -184,7 +187,7 @@ def choose_on_rank0(
         wait_or_raise(work, strategy.timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
         choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())
-    return choice, latency_s
+    return choice, latency_s, timeline
 
 
 def _encode_mb(value: float | None) -> float:
@@ -198,7 +201,7 @@ def _decode_mb(value: torch.Tensor) -> float | None:
 def plan_on_rank0(
     partitions: Sequence[Partition],
     bucket_ready: Sequence[float],
-    profile: ReadyTimeProfile,
+    loaded_bytes_per_s: float | None,
     latency_s: float,
     credit_bytes: int | None,
     group: dist.ProcessGroup,
@@ -208,11 +211,12 @@ def plan_on_rank0(
 
     Collective: every rank calls it at the same point; a peer that does not
     raises `CommunicationTimeout` after ``timeout_s``. The link is modelled by
-    the measured latency and the bandwidth seen while training; if the link is
+    the measured latency and the bandwidth seen while training
+    (`ReadyTimeProfile.loaded_bytes_per_s`); if the link is
     faster than that, non-urgent partitions merely go a little later, never
     ahead of urgent ones.
     """
-    bytes_per_s = (profile.loaded_bytes_per_s() or 1e12) * LINK_SAFETY_FACTOR
+    bytes_per_s = (loaded_bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
     link = LinkModel(latency_s=latency_s, bytes_per_s=bytes_per_s)
     schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
     plan = torch.tensor(robust_plan(partitions, schedule, max(bucket_ready, default=0.0)), dtype=torch.int64)
@@ -220,3 +224,32 @@ def plan_on_rank0(
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
     return Plan(tuple(partitions), tuple(plan.tolist()), credit_bytes, agreed=True)
+
+
+@dataclass(frozen=True)
+class WarmupTimeline:
+    """What a plan for any layout needs from warm-up, kept when the profile is dropped
+    (the auto-tuner plans each setting it tries from it)."""
+
+    slot_ready_s: tuple[float, ...]
+    loaded_bytes_per_s: float | None
+    latency_s: float
+
+    @classmethod
+    def of(cls, profile: ReadyTimeProfile, latency_s: float) -> WarmupTimeline:
+        return cls(tuple(profile.median_slot_ready_s()), profile.loaded_bytes_per_s(), latency_s)
+
+
+def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeout_s: float) -> Decision:
+    """Rank 0's auto-tuning `Decision` on every rank (``decision``: rank 0's, None elsewhere).
+
+    Collective over ``group`` (the control group), at a switch point every rank
+    knows; see [Note: auto-tuning].
+    """
+    message = torch.zeros(Decision.LENGTH, dtype=torch.float64)
+    if decision is not None:
+        message = torch.tensor(decision.encode(), dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        work = dist.broadcast(message, group=group, group_src=0, async_op=True)
+        wait_or_raise(work, timeout_s, "the broadcast of rank 0's auto-tuning decision")
+    return decision if decision is not None else Decision.decode(message.tolist())

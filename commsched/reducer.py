@@ -27,11 +27,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
 from commsched.autograd_context import inside_outer_backward, running_backward
+from commsched.autotune import (
+    Controller, Decision, Phase as TuningPhase, SearchSpace, TunedSetting, TuningConfig, TuningLog, Warmup,
+    starting_point,
+)
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from commsched.consistency import broadcast_from, broadcast_from_rank0
 from commsched.control import takes_cpu_tensors
-from commsched.cost_model import Choice, Setting, applied
+from commsched.cost_model import Choice, Setting, Timeline, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
 from commsched.gates import ForwardGates
@@ -44,7 +48,10 @@ from commsched.join import highest_rank_still_training
 from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
-from commsched.planning import ReadyTimeProfile, bucket_ready_s, choose_on_rank0, measure_latency, plan_on_rank0
+from commsched.planning import (
+    ReadyTimeProfile, WarmupTimeline, agree_on_decision, bucket_ready_s, choose_on_rank0, measure_latency,
+    plan_on_rank0,
+)
 from commsched.reads import ParameterReads
 from commsched.scheduler import Plan, fifo_plan
 from commsched.strategy import Strategy
@@ -56,6 +63,8 @@ logger = logging.getLogger("commsched")
 
 FAILED_DRAIN_S = 2.0
 """After a communication failure, how long the shutdown lets operations still in flight finish."""
+
+TUNED_OVERLAP_OFF = "the auto-tuner's setting in use has forward overlap off"
 
 
 class GradientReducer:
@@ -83,7 +92,16 @@ class GradientReducer:
         self.lifecycle = Lifecycle.RECORDING
         self.effective_strategy = strategy
         """The strategy in use: ``strategy`` with the partitioning the cost model chose
-        at the end of warm-up (see [Note: the cost model])."""
+        at the end of warm-up (see [Note: the cost model]), or the setting the
+        auto-tuner has in use (see [Note: auto-tuning])."""
+        self.tuning: TuningLog | None = TuningLog() if strategy.autotune else None
+        """With ``Strategy.autotune``: the decisions so far, the same on every rank."""
+        self._controller: Controller | None = None
+        """Rank 0's auto-tuner, from the end of warm-up on."""
+        self._warmup: WarmupTimeline | None = None
+        """What plans for a new layout are made from, kept from warm-up."""
+        self._read_slots: tuple[frozenset[int], frozenset[int]] | None = None
+        """Slots the loop reads before and after the forward pass (seen during warm-up)."""
         self.choice: Choice | None = None
         """The cost model's choice (its reasons on rank 0 only), once made."""
         self.layout: GradLayout | None = None
@@ -141,7 +159,11 @@ class GradientReducer:
         """Why forward overlap is (or will be) off; None while it is on or still possible."""
         if not self.strategy.overlap_forward:
             return "Strategy(overlap_forward=False)"
-        return self._overlap_blocked
+        if self._overlap_blocked:
+            return self._overlap_blocked
+        if not self.effective_strategy.overlap_forward:
+            return TUNED_OVERLAP_OFF
+        return None
 
     def _build(self, forward_order: list[int], used_before_owner: set[int]) -> None:
         """Fix the layout; start warm-up."""
@@ -176,19 +198,19 @@ class GradientReducer:
         """At the first iteration after warm-up: agree on the plan; overlap from now on, or not."""
         new_order = None
         profile = self._profile
+        timeline: Timeline | None = None
         if profile is not None:
             started = time.perf_counter()
             strategy, group, control = self.strategy, self.process_group, self.control_group
             device = self._params[0].device
             with self._peer_failures_explained():
                 if self.adapts:
-                    self.choice, latency_s = choose_on_rank0(self.layout, profile, strategy, group, control)
+                    self.choice, latency_s, timeline = choose_on_rank0(self.layout, profile, strategy, group, control)
                     self._use_partitioning(self.choice.setting)
                 else:
                     latency_s = measure_latency(group, device, strategy.timeout_s)
-                ready = bucket_ready_s(profile.median_slot_ready_s(), self.layout, self._held_buckets() or frozenset())
-                self.plan = plan_on_rank0(self.layout.partitions, ready, profile, latency_s,
-                                          self.effective_strategy.credit_bytes, control, strategy.timeout_s)
+                self._warmup = WarmupTimeline.of(profile, latency_s)
+                self.plan = self._agree_on_plan()
             self._events.unsubscribe(profile)
             self._profile = None
             new_order = self.plan.order
@@ -197,7 +219,60 @@ class GradientReducer:
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
         if self._reads is not None and self.lifecycle is Lifecycle.OVERLAPPING:
             self._use_recorded_reads(self._reads)
+        if self.tuning is not None and self._warmup is not None:
+            new_order = self._tuning_switch_point(WARMUP_ITERATIONS, timeline) or new_order
         return new_order
+
+    def _agree_on_plan(self) -> Plan:
+        """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
+        warmup = self._warmup
+        ready = bucket_ready_s(warmup.slot_ready_s, self.layout, self._held_buckets() or frozenset())
+        return plan_on_rank0(self.layout.partitions, ready, warmup.loaded_bytes_per_s, warmup.latency_s,
+                             self.effective_strategy.credit_bytes, self.control_group, self.strategy.timeout_s)
+
+    # ------------------------------------------------------------- auto-tuning
+    def _tuning_switch_point(self, iteration: int, timeline: Timeline | None = None) -> tuple[int, ...] | None:
+        """[Note: auto-tuning] Rank 0 decides, every rank applies: a new layout and plan, or none.
+
+        Runs where `_use_partitioning` runs (the start of a synchronised pass,
+        before its state exists), on every rank at the same iteration. Returns
+        the new plan's order if the layout changed.
+        """
+        decision = self._decide(iteration, timeline) if dist.get_rank(self.control_group) == 0 else None
+        with self._peer_failures_explained():
+            decision = agree_on_decision(decision, self.control_group, self.strategy.timeout_s)
+        self.tuning.apply(iteration, decision)
+        strategy = self.strategy
+        before = TunedSetting.of(self.effective_strategy).layout(strategy)
+        overlap_before = self.overlap_off_reason
+        self.effective_strategy = decision.setting.applied(strategy)
+        if decision.setting.layout(strategy) == before and self.overlap_off_reason == overlap_before:
+            return None
+        self._lay_out(self.layout.forward_order)
+        self._map_reads()
+        with self._peer_failures_explained():
+            self.plan = self._agree_on_plan()
+        self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        logger.info("commsched: %s from iteration %d on (%s): %d buckets, %d partitions", decision.setting.describe(),
+                    iteration, self.tuning.describe(), len(self.layout.buckets), len(self.layout.partitions))
+        return self.plan.order
+
+    def _decide(self, iteration: int, timeline: Timeline | None) -> Decision:
+        """Rank 0's decision; a failure of the tuner stops tuning, never training."""
+        try:
+            if self._controller is None:
+                allowed = self.strategy.overlap_forward and self._overlap_blocked is None
+                start = starting_point(Warmup(self.strategy, timeline,
+                                              None if self.choice is None else self.choice.setting, allowed))
+                gradient_bytes = sum(p.numel() * p.element_size() for p in self._params)
+                space = SearchSpace.around(gradient_bytes, start, allowed)
+                self._controller = Controller(space, start, self.strategy, TuningConfig.of(self.strategy))
+            return self._controller.decide(iteration)
+        except Exception:  # noqa: BLE001 - tuning is an optimisation: keep training as it is
+            logger.exception("commsched: auto-tuning stopped at iteration %d; the setting in use stays", iteration)
+            if self._controller is not None:
+                return self._controller.stop()
+            return Decision(TuningPhase.STOPPED, TunedSetting.of(self.effective_strategy), 0)
 
     @property
     def adapts(self) -> bool:
@@ -229,9 +304,8 @@ class GradientReducer:
 
     def _use_recorded_reads(self, reads: ParameterReads) -> None:
         """[Note: reads outside the forward pass]: what warm-up saw decides what is updated early."""
-        layout = self.layout
-        self.updated_at_step = tuple(sorted({layout.bucket_of[s] for s in reads.before_forward}))
-        self.updated_after_forward = tuple(sorted({layout.bucket_of[s] for s in reads.after_forward}))
+        self._read_slots = (frozenset(reads.before_forward), frozenset(reads.after_forward))
+        self._map_reads()
         for slots, buckets, when in (
             (reads.before_forward, self.updated_at_step, "at step()"),
             (reads.after_forward, self.updated_after_forward, "when the forward pass returns"),
@@ -243,6 +317,15 @@ class GradientReducer:
                 )
         if self.updated_after_forward:
             self._hooks.append(self.module.register_forward_hook(self._after_forward, always_call=True))
+
+    def _map_reads(self) -> None:
+        """The buckets of the slots read outside the forward pass, in the layout in use."""
+        if self._read_slots is None:
+            return
+        layout = self.layout
+        before, after = self._read_slots
+        self.updated_at_step = tuple(sorted({layout.bucket_of[s] for s in before}))
+        self.updated_after_forward = tuple(sorted({layout.bucket_of[s] for s in after}))
 
     # ---------------------------------------------------------------- backward
     def _gradient_hook(self, slot: int) -> Callable[[torch.Tensor], None]:
@@ -286,7 +369,13 @@ class GradientReducer:
     def _begin_pass(self) -> None:
         """A new synchronised iteration: agree on the plan after warm-up, start a `BackwardPass`."""
         iteration = 0 if self.current is None else self.current.iteration + 1
-        new_order = self._finish_warmup() if iteration == WARMUP_ITERATIONS else None
+        if self._controller is not None:
+            self._controller.pass_started(iteration, time.perf_counter())
+        new_order = None
+        if iteration == WARMUP_ITERATIONS:
+            new_order = self._finish_warmup()
+        elif self.tuning is not None and self.tuning.next_switch == iteration:
+            new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
         if self.current is not None:
             self.previous_figures = self.current.figures

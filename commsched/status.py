@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from commsched.autotune import Phase, TunedSetting
 from commsched.backward_pass import IterationFigures
 from commsched.lifecycle import Lifecycle
 from commsched.reducer import GradientReducer
@@ -24,6 +25,40 @@ class BucketStatus:
     priority: int
     """The forward position of its earliest parameter (lower is more urgent)."""
     partitions: int
+
+
+@dataclass(frozen=True)
+class TrialStatus:
+    setting: TunedSetting
+    median_ms: float
+    """Median iteration time measured with it (inf: nothing was measured)."""
+
+
+@dataclass(frozen=True)
+class TuningStatus:
+    """``Strategy(autotune=True)``: what was tried, what is in use and why (the same on every rank)."""
+
+    phase: str
+    """``"warm-up"`` (not started), ``"tuning"``, ``"tuned"``, ``"re-tuning"`` or ``"stopped"``."""
+    reason: str
+    """E.g. ``"tuning: trial 5 of ~12"``, ``"tuned: ..."``, ``"re-tuning: iteration time rose 35%; ..."``."""
+    trials: tuple[TrialStatus, ...]
+    """The trials of the latest search, in the order they ran."""
+    searches: int
+    """Searches so far (1, plus one per re-tune)."""
+    current: TunedSetting | None
+    best: TunedSetting | None
+    """The fastest setting measured in the latest search."""
+    changes: tuple[tuple[int, TunedSetting], ...]
+    """Every setting taken into use, with the iteration it took effect at."""
+    baseline_ms: float | None
+    """Once tuned: the median iteration time drift is measured against."""
+
+    def describe(self) -> str:
+        lines = [f"  auto-tuning: {self.reason}"]
+        for number, trial in enumerate(self.trials, 1):
+            lines.append(f"    trial {number}: {trial.setting.describe()}: {trial.median_ms:.2f} ms")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -58,6 +93,12 @@ class Status:
     partitioning: str = ""
     """Why this partitioning: as configured, or the cost model's choice at the end of
     warm-up with its predictions (on rank 0; the other ranks follow it)."""
+    tuning: TuningStatus | None = None
+    """With ``Strategy(autotune=True)``: the auto-tuner's trials and decisions (None: off)."""
+    bucket_cap_mb: float | None = None
+    """The bucket size limit in use."""
+    first_bucket_mb: float | None = None
+    """The first bucket's size limit in use."""
 
     @property
     def overlapping(self) -> bool:
@@ -74,6 +115,8 @@ class Status:
             f"  forward overlap: {overlap}",
             f"  partitioning: {self.partitioning}",
         ]
+        if self.tuning is not None:
+            lines.append(self.tuning.describe())
         if self.updated_at_step or self.updated_after_forward:
             lines.append(
                 f"  read outside the forward pass: {len(self.updated_at_step)} buckets updated at step(), "
@@ -126,10 +169,33 @@ def reducer_status(reducer: GradientReducer) -> Status:
         partition_mb=reducer.effective_strategy.partition_mb,
         credit_mb=reducer.effective_strategy.credit_mb,
         partitioning=_partitioning(reducer),
+        tuning=_tuning(reducer),
+        bucket_cap_mb=reducer.effective_strategy.bucket_cap_mb,
+        first_bucket_mb=reducer.effective_strategy.first_bucket_mb,
+    )
+
+
+_PHASES = {Phase.TUNING: "tuning", Phase.TUNED: "tuned", Phase.RETUNING: "re-tuning", Phase.STOPPED: "stopped"}
+
+
+def _tuning(reducer: GradientReducer) -> TuningStatus | None:
+    log = reducer.tuning
+    if log is None:
+        return None
+    if log.current is None:
+        return TuningStatus("warm-up", "tuning starts when warm-up ends", (), 0, None, None, (), None)
+    trials = tuple(TrialStatus(t.setting, t.median_s * 1e3) for t in (log.studies[-1] if log.studies else ()))
+    best = log.best
+    return TuningStatus(
+        phase=_PHASES[log.phase], reason=log.describe(), trials=trials, searches=len(log.studies),
+        current=log.current, best=None if best is None else best.setting, changes=tuple(log.settings),
+        baseline_ms=log.baseline_ms,
     )
 
 
 def _partitioning(reducer: GradientReducer) -> str:
+    if reducer.tuning is not None and reducer.tuning.current is not None:
+        return "the auto-tuner's setting in use (see auto-tuning)"
     choice = reducer.choice
     if choice is None:
         if reducer.adapts and reducer.lifecycle is not Lifecycle.RELEASED:

@@ -25,6 +25,9 @@ MIN_TIMEOUT_S = 1.0
 take a good fraction of a second on a busy host, and a timeout below a
 millisecond would round to none at all."""
 
+MAX_AUTOTUNE_ITERATIONS = 100_000
+"""Longest search: beyond it the run would be mostly measuring."""
+
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest timeout, a week: far beyond any real wait, and representable by
 every wait commsched makes (``datetime.timedelta``, ``threading``'s
@@ -169,6 +172,28 @@ class Strategy:
     ps_max_staleness: int | None = None
     """Deprecated input, with ``backend="ps"``: ``ParameterServer(max_staleness=...)``. Always None once built."""
 
+    autotune: bool = False
+    """Tune the layout on measured iteration times: after warm-up, rank 0 tries
+    settings of ``partition_mb``, ``credit_mb``, ``bucket_cap_mb``,
+    ``first_bucket_mb`` and forward overlap (where it is on) for a few
+    iterations each, starting from the cost model's choice, with a Bayesian
+    optimiser (optuna, ``pip install commsched[tune]``), and every rank adopts
+    the fastest; a later change of iteration time of more than 20% starts a new
+    search (see [Note: auto-tuning] in commsched/autotune.py). The values given
+    here are the starting point when ``adaptive=False``. Needs the all-reduce
+    backend and ``priority=True``."""
+
+    autotune_iterations: int = 50
+    """Iterations one search may take (the first, after warm-up; a re-tune takes at
+    most 100), each setting ``autotune_trial_iterations`` of them plus one to settle.
+    From 4 to 100000."""
+
+    autotune_trial_iterations: int = 3
+    """Iterations measured per setting tried (their median counts). From 1 to 100."""
+
+    autotune_seed: int = 0
+    """Seed of the optimiser on rank 0: the same measurements give the same settings. 0 to 2**32 - 1."""
+
     def __post_init__(self) -> None:
         _check_in_range("bucket_cap_mb", self.bucket_cap_mb, _BUCKET_MB)
         _check_in_range("first_bucket_mb", self.first_bucket_mb, _BUCKET_MB)
@@ -176,9 +201,35 @@ class Strategy:
         _check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
         _check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
         _check_directory("trace_dir", self.trace_dir)
-        for name in ("broadcast_buffers", "priority", "adaptive", "overlap_forward", "fuse_optimizer"):
+        for name in ("broadcast_buffers", "priority", "adaptive", "overlap_forward", "fuse_optimizer", "autotune"):
             _check_bool(name, getattr(self, name))
+        _check_int("autotune_iterations", self.autotune_iterations, 4, MAX_AUTOTUNE_ITERATIONS)
+        _check_int("autotune_trial_iterations", self.autotune_trial_iterations, 1, 100)
+        _check_int("autotune_seed", self.autotune_seed, 0, 2**32 - 1)
         self._normalize_backend()
+        if self.autotune:
+            self._check_autotune()
+
+    def _check_autotune(self) -> None:
+        if self.parameter_server:
+            raise ValueError(
+                "Strategy(autotune=True) tunes the all-reduce backend's partitions, credit window and buckets; "
+                "the parameter-server backend keeps its blocks as configured (each server owns its blocks); use "
+                "backend=AllReduce() to tune, or autotune=False with ParameterServer(...)"
+            )
+        if not self.priority:
+            raise ValueError(
+                "Strategy(autotune=True) needs priority=True: the tuner plans each setting it tries from the "
+                "warm-up's timeline, which is recorded only with priority; set priority=True or autotune=False"
+            )
+        per_trial = 1 + self.autotune_trial_iterations
+        if self.autotune_iterations < 2 * per_trial:
+            raise ValueError(
+                f"Strategy.autotune_iterations={self.autotune_iterations} leaves room for fewer than two settings "
+                f"of {per_trial} iterations each (autotune_trial_iterations={self.autotune_trial_iterations} "
+                f"plus one to settle); give at least {2 * per_trial} iterations"
+            )
+        require_optuna()
 
     def _normalize_backend(self) -> None:
         """Turn the deprecated flat spelling into a backend config.
@@ -341,6 +392,23 @@ def _check_directory(name: str, value: object) -> None:
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"Strategy.{name} must be an integer from {low} to {high}, got {value!r}")
+
+
+def require_optuna():  # noqa: ANN201 - the module, imported only when tuning
+    """optuna, or an ImportError that says how to install it."""
+    try:
+        import optuna
+    except ImportError as error:
+        raise ImportError(
+            "Strategy(autotune=True) needs optuna, which commsched's 'tune' extra installs: "
+            "pip install commsched[tune]"
+        ) from error
+    return optuna
 
 
 def _check_bool(name: str, value: object) -> None:

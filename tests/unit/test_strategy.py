@@ -233,7 +233,8 @@ def test_every_field_but_trace_dir_must_agree_across_ranks():
     changed = {
         "bucket_cap_mb": 5, "first_bucket_mb": 0.5, "broadcast_buffers": False, "priority": False,
         "partition_mb": None, "credit_mb": None, "adaptive": False, "overlap_forward": False, "fuse_optimizer": False,
-        "timeout_s": 60, "backend": ParameterServer(),
+        "timeout_s": 60, "backend": ParameterServer(), "autotune": True, "autotune_iterations": 20,
+        "autotune_trial_iterations": 2, "autotune_seed": 7,
     }
     compared = {f.name for f in dataclasses.fields(Strategy)} - {"trace_dir", "num_servers", "ps_mode",
                                                                   "ps_max_staleness"}
@@ -247,3 +248,49 @@ def test_every_field_but_trace_dir_must_agree_across_ranks():
         assert [e for e in entries if e not in ps][0].startswith(f"Strategy.backend.{field} = "), field
     stale = describe_setup(Strategy(backend=ParameterServer(mode="async", max_staleness=3)), model, None)
     assert "Strategy.backend.max_staleness = 3" in stale
+
+
+AUTOTUNE_RANGES = {"autotune_iterations": (4, 100_000), "autotune_trial_iterations": (1, 100),
+                   "autotune_seed": (0, 2**32 - 1)}
+
+
+@pytest.mark.parametrize("field", sorted(AUTOTUNE_RANGES))
+def test_autotune_numbers_are_integers_in_range(field):
+    low, high = AUTOTUNE_RANGES[field]
+    assert getattr(Strategy(**{field: low}), field) == low
+    assert getattr(Strategy(**{field: high}), field) == high
+    for bad in (low - 1, high + 1, 2.0, "3", None, True):
+        with pytest.raises(ValueError, match=rf"^Strategy\.{field} must be an integer from {low} to {high}, "
+                                             rf"got {re.escape(repr(bad))}$"):
+            Strategy(**{field: bad})
+
+
+def test_autotune_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"Strategy.autotune must be True or False"):
+        Strategy(autotune=1)
+
+
+def test_autotune_is_refused_with_parameter_servers_and_without_priority():
+    with pytest.raises(ValueError, match=r"parameter-server backend keeps its blocks.*use backend=AllReduce\(\) "
+                                         r"to tune, or autotune=False"):
+        Strategy(autotune=True, backend=ParameterServer())
+    with pytest.raises(ValueError, match=r"autotune=True\) needs priority=True.*set priority=True or "
+                                         r"autotune=False"):
+        Strategy(autotune=True, priority=False)
+    assert Strategy(autotune=False, backend=ParameterServer(), autotune_iterations=4).autotune is False
+
+
+def test_the_autotune_budget_must_hold_two_settings():
+    with pytest.raises(ValueError, match=r"autotune_iterations=7 leaves room for fewer than two settings of 4 "
+                                         r"iterations each .* give at least 8 iterations"):
+        Strategy(autotune=True, autotune_iterations=7)
+    assert Strategy(autotune=True, autotune_iterations=8).autotune_iterations == 8
+
+
+def test_autotune_without_optuna_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna raises ImportError
+    with pytest.raises(ImportError, match=r"pip install commsched\[tune\]"):
+        Strategy(autotune=True)
+    assert Strategy(autotune=False).autotune is False

@@ -1,0 +1,246 @@
+"""The auto-tuner's logic on a fake objective: a known iteration time for each setting.
+
+`drive` plays rank 0's part and every rank's log as the reducer does: a pass
+starts, and at a switch point the controller decides and the log applies the
+decision; the clock advances by the objective of the setting in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsched.autotune import (
+    DRIFT_THRESHOLD, DRIFT_WINDOW, MAX_RETUNE_ITERATIONS, SETTLE_ITERATIONS, Controller, Decision, Phase,
+    SearchSpace, TunedSetting, TuningConfig, TuningLog, Warmup, starting_point,
+)
+from commsched.cost_model import Setting
+from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.strategy import MIB, Strategy
+
+GRADIENT_BYTES = 100 * MIB
+FAR_START = TunedSetting(0.25, 0.25, 128.0, 32.0, False)
+"""Far from the objective's best: fine partitions, a one-partition window, no overlap."""
+
+
+def objective(setting: TunedSetting, strategy: Strategy = Strategy()) -> float:
+    """Seconds per iteration: computation, exposed communication shrinking with the unit on the
+    wire, a cost per collective, a credit window best at four units, overlap saving 8 ms, and a
+    little for the first bucket."""
+    applied = setting.applied(strategy)
+    first, cap = applied.bucket_size_limits_bytes
+    unit = applied.partition_bytes or cap
+    collectives = GRADIENT_BYTES / unit
+    exposed_ms = 30 * math.sqrt(unit / GRADIENT_BYTES)
+    credit = applied.credit_bytes
+    credit_ms = 4.0 if credit is None else 1.5 * abs(math.log2(credit / unit) - 2)
+    overlap_ms = 0.0 if setting.overlap_forward else 8.0
+    first_ms = 0.3 * abs(math.log2(first / MIB))
+    return (100 + exposed_ms + 0.08 * collectives + credit_ms + overlap_ms + first_ms) / 1e3
+
+
+@dataclasses.dataclass
+class Run:
+    log: TuningLog
+    controller: Controller
+    decisions: list[tuple[int, Decision]]
+    iteration: int
+    clock: float
+
+
+def start_run(start: TunedSetting = FAR_START, overlap_allowed: bool = True, **fields) -> Run:
+    strategy = Strategy(autotune=True, **fields)
+    space = SearchSpace.around(GRADIENT_BYTES, start, overlap_allowed)
+    controller = Controller(space, start, strategy, TuningConfig.of(strategy))
+    run = Run(TuningLog(), controller, [], WARMUP_ITERATIONS, 0.0)
+    decide(run)
+    return run
+
+
+def decide(run: Run) -> None:
+    decision = run.controller.decide(run.iteration)
+    run.decisions.append((run.iteration, decision))
+    run.log.apply(run.iteration, decision)
+
+
+def drive(run: Run, iterations: int, cost: Callable[[TunedSetting], float] = objective,
+          until: Callable[[Run], bool] = lambda run: False) -> Run:
+    for _ in range(iterations):
+        run.clock += cost(run.log.current)
+        run.iteration += 1
+        run.controller.pass_started(run.iteration, run.clock)
+        if run.log.next_switch == run.iteration:
+            decide(run)
+        if until(run):
+            break
+    return run
+
+
+def tuned(run: Run) -> bool:
+    return run.log.phase is Phase.TUNED
+
+
+def grid_best(space: SearchSpace) -> float:
+    return min(objective(setting) for setting in space.grid())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_finds_a_setting_within_5_percent_of_the_grids_best_within_the_budget(seed):
+    budget = 100
+    run = drive(start_run(autotune_iterations=budget, autotune_seed=seed), 10 * budget, until=tuned)
+    assert tuned(run)
+    assert run.iteration - WARMUP_ITERATIONS <= budget
+    best = grid_best(run.controller.space)
+    assert objective(FAR_START) > 1.3 * best  # the start alone is far off
+    assert objective(run.log.current) <= 1.05 * best, run.log.current.describe()
+    assert len(run.log.studies[0]) <= budget // (SETTLE_ITERATIONS + 3)
+    assert run.log.best.setting == run.log.current
+
+
+def test_the_default_budget_gets_most_of_the_way():
+    run = drive(start_run(), 1000, until=tuned)
+    assert run.iteration - WARMUP_ITERATIONS <= 50
+    assert objective(run.log.current) <= 1.1 * grid_best(run.controller.space)
+
+
+def test_trials_measure_the_median_after_a_settling_iteration():
+    """A setting's first iteration after a change costs extra and is not counted; outliers are medians away."""
+    run = start_run(autotune_trial_iterations=3)
+    since = {"iteration": WARMUP_ITERATIONS}
+
+    def cost(setting: TunedSetting) -> float:
+        first = run.iteration == since["iteration"]
+        return objective(setting) + (5.0 if first else 0.0)
+
+    def note_switch(run: Run) -> bool:
+        if run.decisions[-1][0] == run.iteration:
+            since["iteration"] = run.iteration
+        return tuned(run)
+
+    drive(run, 200, cost, until=note_switch)
+    for trial in run.log.studies[0]:
+        assert trial.median_s == pytest.approx(objective(trial.setting))
+
+
+def test_the_starting_point_is_the_first_trial():
+    run = drive(start_run(), 8)
+    assert run.decisions[0][1].setting == FAR_START
+    assert run.decisions[0][1].trial == 1
+    assert run.log.studies[0][0].setting == FAR_START
+    assert run.log.settings[0] == (WARMUP_ITERATIONS, FAR_START)
+
+
+def test_decisions_are_deterministic_given_the_seed():
+    def settings_of(seed: int) -> list[TunedSetting]:
+        run = drive(start_run(autotune_seed=seed), 200, until=tuned)
+        return [setting for _, setting in run.log.settings]
+
+    assert settings_of(3) == settings_of(3)
+    assert settings_of(3) != settings_of(4)
+
+
+def test_a_setting_is_never_measured_twice_in_one_search():
+    run = drive(start_run(autotune_iterations=200), 2000, until=tuned)
+    strategy = Strategy()
+    behaviours = [t.setting.behaviour(strategy) for t in run.log.studies[0]]
+    assert len(behaviours) == len(set(behaviours))
+
+
+def tuned_and_settled(**fields) -> Run:
+    run = drive(start_run(**fields), 1000, until=lambda run: run.log.baseline_ms is not None)
+    assert tuned(run) and run.log.baseline_ms is not None
+    return run
+
+
+@pytest.mark.parametrize("factor", [1.35, 0.6])
+def test_a_step_change_of_iteration_time_starts_a_new_search_seeded_with_the_setting_in_use(factor):
+    run = tuned_and_settled()
+    adopted, searches = run.log.current, len(run.log.studies)
+    drive(run, 3 * DRIFT_WINDOW, lambda s: factor * objective(s),
+          until=lambda run: run.log.phase is Phase.RETUNING)
+    assert run.log.phase is Phase.RETUNING
+    assert len(run.log.studies) == searches + 1
+    assert run.log.studies[-1][0].setting == adopted  # the window measured it: the first trial
+    assert run.log.drift == pytest.approx(factor, rel=0.01)
+    verb = "rose" if factor > 1 else "fell"
+    assert run.log.describe().startswith(f"re-tuning: iteration time {verb} {abs(factor - 1):.0%}; trial 2 of ~")
+    began = run.iteration
+    drive(run, 10 * MAX_RETUNE_ITERATIONS, lambda s: factor * objective(s), until=tuned)
+    assert tuned(run) and run.iteration - began <= MAX_RETUNE_ITERATIONS
+
+
+def test_noise_below_the_threshold_never_retunes():
+    run = tuned_and_settled()
+    noise = random.Random(0)
+    # Every iteration off by up to 15%, and one in ten three times as slow (a checkpoint, say).
+    drive(run, 40 * DRIFT_WINDOW,
+          lambda s: objective(s) * (3.0 if noise.random() < 0.1 else 1 + 0.15 * (2 * noise.random() - 1)))
+    assert tuned(run) and len(run.log.studies) == 1
+    assert DRIFT_THRESHOLD == 0.2
+
+
+def test_a_long_search_re_tunes_within_100_iterations():
+    run = tuned_and_settled(autotune_iterations=400)
+    drive(run, 3 * DRIFT_WINDOW, lambda s: 2 * objective(s), until=lambda run: run.log.phase is Phase.RETUNING)
+    began = run.iteration
+    drive(run, 10 * MAX_RETUNE_ITERATIONS, lambda s: 2 * objective(s), until=tuned)
+    assert tuned(run) and run.iteration - began <= MAX_RETUNE_ITERATIONS
+
+
+def test_overlap_stays_off_where_it_is_not_allowed():
+    start = dataclasses.replace(FAR_START, overlap_forward=False)
+    run = drive(start_run(start, overlap_allowed=False), 1000, until=tuned)
+    assert all(not setting.overlap_forward for _, setting in run.log.settings)
+
+
+def test_a_failure_stops_tuning_and_keeps_the_setting():
+    run = drive(start_run(), 10)
+    decision = run.controller.stop()
+    run.log.apply(run.iteration, decision)
+    assert decision.next_in == 0 and run.log.next_switch is None
+    assert decision.setting == run.log.current
+    assert run.log.describe().startswith("tuning stopped")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    gradient_bytes=st.integers(min_value=4, max_value=2**36),
+    partition_mb=st.one_of(st.none(), st.floats(256 / MIB, 2048.0)),
+    credit_factor=st.one_of(st.none(), st.sampled_from([1.0, 3.0, 4.0, 16.0])),
+    bucket_cap_mb=st.floats(1 / MIB, 4096.0),
+    first_bucket_mb=st.floats(1 / MIB, 64.0),
+    overlap=st.booleans(),
+)
+def test_every_setting_of_the_space_is_a_valid_strategy_and_the_start_is_in_it(
+    gradient_bytes, partition_mb, credit_factor, bucket_cap_mb, first_bucket_mb, overlap
+):
+    unit = bucket_cap_mb if partition_mb is None else partition_mb
+    credit = None if credit_factor is None else max(256 / MIB, unit * credit_factor)
+    start = TunedSetting(partition_mb, credit, bucket_cap_mb, first_bucket_mb, overlap)
+    space = SearchSpace.around(gradient_bytes, start, overlap_allowed=overlap)
+    assert space.setting(space.indices(start)) == start
+    strategy = Strategy(autotune=True)
+    for setting in space.grid():
+        assert TunedSetting.of(setting.applied(strategy)) == setting
+        assert setting.overlap_forward in (True, False) and (overlap or not setting.overlap_forward)
+
+
+def test_decisions_survive_a_broadcast_exactly():
+    decision = Decision(Phase.RETUNING, TunedSetting(None, 3.0, 25.0, 0.1, True), 4, 2, 12, 123.456, 99.5, 80.25)
+    assert Decision.decode(decision.encode()) == decision
+    bare = Decision(Phase.TUNING, TunedSetting(1 / 3, None, 1 / MIB, 1.0, False), 4)
+    assert Decision.decode(bare.encode()) == bare
+
+
+def test_the_starting_point_is_the_cost_models_choice_with_the_configured_buckets():
+    strategy = Strategy(bucket_cap_mb=8.0, first_bucket_mb=0.5, autotune=True)
+    start = starting_point(Warmup(strategy, None, Setting(4.0, 16.0), overlap_allowed=True))
+    assert start == TunedSetting(4.0, 16.0, 8.0, 0.5, True)
+    assert starting_point(Warmup(strategy, None, None, overlap_allowed=False)) == TunedSetting(
+        strategy.partition_mb, strategy.credit_mb, 8.0, 0.5, False)
