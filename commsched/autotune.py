@@ -63,6 +63,10 @@ MAX_REPEATS = 64
 """How many times in a row the optimiser may propose a setting already measured (whose
 measurement is reused) before the study is taken as exhausted."""
 
+STARTUP_TRIALS = 3
+"""Trials before the optimiser models the objective (the start and two random ones): few, since a
+search has only tens of iterations."""
+
 CREDIT_RATIOS = (1.0, 2.0, 4.0, 8.0, None)
 """The credit window as a multiple of the unit on the wire (None: unbounded)."""
 
@@ -420,7 +424,7 @@ class Controller:
                                                                           MAX_RETUNE_ITERATIONS)
         self._trials_expected = config.trials(budget)
         self._study = Study(self.space, seed_setting, self.strategy, config.seed + self._studies,
-                            startup_trials=max(2, self._trials_expected // 4))
+                            startup_trials=STARTUP_TRIALS)
         self._studies += 1
         self._phase = phase
         first = self._study.ask()

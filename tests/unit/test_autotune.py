@@ -31,18 +31,18 @@ FAR_START = TunedSetting(0.25, 0.25, 128.0, 32.0, False)
 
 def objective(setting: TunedSetting, strategy: Strategy = Strategy()) -> float:
     """Seconds per iteration: computation, exposed communication shrinking with the unit on the
-    wire, a cost per collective, a credit window best at four units, overlap saving 8 ms, and a
-    little for the first bucket."""
+    wire, a cost per collective, a credit window best at four units, overlap saving 15 ms, and the
+    first bucket best at 1 MiB. About one setting in twenty is within 5% of the best."""
     applied = setting.applied(strategy)
     first, cap = applied.bucket_size_limits_bytes
     unit = applied.partition_bytes or cap
     collectives = GRADIENT_BYTES / unit
-    exposed_ms = 30 * math.sqrt(unit / GRADIENT_BYTES)
+    exposed_ms = 40 * math.sqrt(unit / GRADIENT_BYTES)
     credit = applied.credit_bytes
-    credit_ms = 4.0 if credit is None else 1.5 * abs(math.log2(credit / unit) - 2)
-    overlap_ms = 0.0 if setting.overlap_forward else 8.0
-    first_ms = 0.3 * abs(math.log2(first / MIB))
-    return (100 + exposed_ms + 0.08 * collectives + credit_ms + overlap_ms + first_ms) / 1e3
+    credit_ms = 8.0 if credit is None else 3 * abs(math.log2(credit / unit) - 2)
+    overlap_ms = 0.0 if setting.overlap_forward else 15.0
+    first_ms = 1.0 * abs(math.log2(first / MIB))
+    return (50 + exposed_ms + 0.15 * collectives + credit_ms + overlap_ms + first_ms) / 1e3
 
 
 @dataclasses.dataclass
@@ -103,15 +103,16 @@ def test_finds_a_setting_within_5_percent_of_the_grids_best_within_the_budget(se
     assert run.log.best.setting == run.log.current
 
 
-def test_the_default_budget_gets_most_of_the_way():
-    run = drive(start_run(), 1000, until=tuned)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_default_budget_gets_most_of_the_way(seed):
+    run = drive(start_run(autotune_seed=seed), 1000, until=tuned)
     assert run.iteration - WARMUP_ITERATIONS <= 50
-    assert objective(run.log.current) <= 1.1 * grid_best(run.controller.space)
+    assert objective(run.log.current) <= 1.15 * grid_best(run.controller.space)
 
 
 def test_trials_measure_the_median_after_a_settling_iteration():
-    """A setting's first iteration after a change costs extra and is not counted; outliers are medians away."""
-    run = start_run(autotune_trial_iterations=3)
+    """A setting's first iteration after a change costs extra and is not counted."""
+    run = start_run(autotune_trial_iterations=2)
     since = {"iteration": WARMUP_ITERATIONS}
 
     def cost(setting: TunedSetting) -> float:
