@@ -1,0 +1,475 @@
+"""The event-driven engine: one worker's computation and the shared link(s), iteration after iteration.
+
+See [Note: the simulator] in `commsched.simulator` for the model. A system (a
+`Strategy` or torch DDP's `DDPConfig`) is first compiled into buckets, wire
+units (partitions, or parameter-server blocks) and a compute program per
+iteration (work, bucket ready, wait for a bucket); the engine then runs that
+program against the link(s), event by event.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commsched.buckets import bucket_layout
+from commsched.profile import Profile
+from commsched.scheduler import make_partitions
+from commsched.simulator.cluster import Cluster
+from commsched.strategy import MIB, Strategy
+
+PS_MIN_BLOCK_BYTES = 64 * 1024
+PS_BLOCKS_PER_SERVER = 4
+"""As `commsched.ps.sharding` (which sits above the simulator): blocks are made small enough for
+about this many per server, but not below `PS_MIN_BLOCK_BYTES`."""
+
+_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64, 16: torch.complex128}
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """torch DDP: buckets of at most ``bucket_cap_mb`` (the first one ``first_bucket_mb``), all-reduced
+    first in, first out as they fill; the optimizer steps once every reduction is done.
+
+    torch DDP given an explicit ``bucket_cap_mb`` uses it for the first bucket too: see `like_torch`.
+    """
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value * MIB >= 1
+            ):
+                raise ValueError(f"DDPConfig.{name} must be a finite size of at least one byte, in MiB, "
+                                 f"got {value!r}")
+
+    @classmethod
+    def like_torch(cls, bucket_cap_mb: float | None = None) -> DDPConfig:
+        """What ``DistributedDataParallel(bucket_cap_mb=...)`` does: a 1 MiB first bucket only at the default."""
+        return cls() if bucket_cap_mb is None else cls(bucket_cap_mb, bucket_cap_mb)
+
+    @property
+    def bucket_size_limits_bytes(self) -> list[int]:
+        return [int(self.first_bucket_mb * MIB), int(self.bucket_cap_mb * MIB)]
+
+    def describe(self) -> str:
+        return f"torch DDP (buckets of {self.bucket_cap_mb:g} MiB, the first {self.first_bucket_mb:g} MiB)"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One steady-state iteration of one system: where its time goes."""
+
+    iteration_s: float
+    """From one forward pass's start to the next one's."""
+    compute_s: float
+    """Forward, backward and update on the worker, stretched where communication ran beside them."""
+    link_busy_s: float
+    """Wire time of this iteration's collectives on the busiest link (with servers: the busiest server's)."""
+    exposed_s: float
+    """``iteration_s - compute_s``: the worker waiting for communication."""
+    collectives: int
+    """All-reduces (or parameter-server push/pulls) per iteration."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    update_s: float = 0.0
+    """The worker's share of ``compute_s`` in each phase (the update is on the servers with them)."""
+    contention_s: float = 0.0
+    """How much of ``compute_s`` is the stretch by communication running beside it."""
+    system: str = ""
+
+    def describe(self) -> str:
+        ms = 1e3
+        return (
+            f"{self.system}: {self.iteration_s * ms:.2f} ms per iteration = compute {self.compute_s * ms:.2f} ms "
+            f"(forward {self.forward_s * ms:.2f}, backward {self.backward_s * ms:.2f}, update "
+            f"{self.update_s * ms:.2f}; {self.contention_s * ms:.2f} of it slowed by communication) + "
+            f"{self.exposed_s * ms:.2f} ms waiting for communication; link busy {self.link_busy_s * ms:.2f} ms "
+            f"in {self.collectives} collectives"
+        )
+
+
+# ------------------------------------------------------------------ compiling a system
+@dataclass(frozen=True, eq=False)
+class _Model:
+    """A profile in the form the layout functions take (meta tensors: sizes without memory)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    forward_order: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    ready_s: tuple[float, ...]
+    first_use_s: tuple[float, ...]
+    forward_s: float
+    backward_end_s: float
+    update_s: float
+    total_bytes: int
+
+
+@functools.lru_cache(maxsize=8)
+def _model(profile: Profile) -> _Model:
+    tensors = []
+    for p in profile.parameters:
+        dtype = _DTYPES.get(p.element_size)
+        if dtype is None:
+            raise ValueError(f"parameter {p.name!r} has element_size {p.element_size}; the simulator knows "
+                             f"{sorted(_DTYPES)} bytes per element")
+        tensors.append(torch.empty((p.numel,), dtype=dtype, device="meta"))
+    ready = tuple(max(0.0, p.ready_s) for p in profile.parameters)
+    forward_s = profile.forward_s
+    return _Model(
+        tensors=tuple(tensors), forward_order=tuple(profile.forward_order),
+        nbytes=tuple(p.nbytes for p in profile.parameters), ready_s=ready,
+        first_use_s=tuple(min(forward_s, max(0.0, p.first_use_s)) for p in profile.parameters),
+        forward_s=forward_s, backward_end_s=max(profile.backward_s, max(ready)), update_s=profile.update_s,
+        total_bytes=profile.gradient_bytes,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _System:
+    """A system compiled against one model and cluster."""
+
+    name: str
+    bucket_ready_s: tuple[float, ...]
+    """From the backward pass's start; the held bucket's is ignored (it is ready at the end)."""
+    held_bucket: int | None
+    """commsched's flags bucket: ready only when the backward pass ends."""
+    gate_s: tuple[float, ...]
+    """When the forward pass first reads a parameter of the bucket, from its start."""
+    update_s: tuple[float, ...]
+    """The worker's update of each bucket."""
+    unit_bucket: tuple[int, ...]
+    unit_bytes: tuple[int, ...]
+    unit_key: tuple[tuple, ...]
+    """Issue rank among ready units (lower first): priority, or first in first out."""
+    unit_resource: tuple[int, ...]
+    unit_wire_s: tuple[float, ...]
+    unit_after_s: tuple[float, ...]
+    """Time from the end of a unit's wire time to its completion (a server's update)."""
+    resources: int
+    credit_bytes: int | None
+    overlap: bool
+    update_all_at_once: bool
+    """torch DDP: wait for every reduction, then step; commsched: wait and update bucket by bucket."""
+
+
+def _compile(model: _Model, cluster: Cluster, system: Strategy | DDPConfig) -> _System:
+    if isinstance(system, DDPConfig):
+        limits, partition_bytes, by_priority = system.bucket_size_limits_bytes, None, False
+        credit, overlap, servers, flags = None, False, 0, False
+    elif isinstance(system, Strategy):
+        limits, by_priority, credit = system.bucket_size_limits_bytes, system.priority, system.credit_bytes
+        overlap, flags = system.overlap_forward, True
+        servers = system.backend.num_servers if system.parameter_server else 0
+        if servers and cluster.servers != servers:
+            raise ValueError(
+                f"the strategy has {servers} parameter server(s) but the cluster {cluster.servers}; build the "
+                f"cluster with Cluster(..., servers={servers})"
+            )
+        partition_bytes = _block_bytes(system.ps_block_bytes, model.total_bytes, servers) if servers \
+            else system.partition_bytes
+    else:
+        raise TypeError(f"simulate takes a commsched Strategy or a DDPConfig, got {type(system).__name__}")
+
+    slots_of, priorities = bucket_layout(model.tensors, model.forward_order, limits)
+    bucket_bytes = [sum(model.nbytes[s] for s in slots) for slots in slots_of]
+    sizes = [model.tensors[slots[0]].element_size() for slots in slots_of]
+    numels = [nbytes // size for nbytes, size in zip(bucket_bytes, sizes, strict=True)]
+    units = make_partitions(numels, sizes, priorities, partition_bytes)
+    first = model.forward_order[0]
+    held = next(b for b, slots in enumerate(slots_of) if first in slots) if flags else None
+    total = model.total_bytes or 1
+    updates = [0.0 if servers else model.update_s * nbytes / total for nbytes in bucket_bytes]
+
+    if servers:
+        resource = _place([u.nbytes for u in units], servers)
+        wire = [cluster.push_pull_s(u.nbytes) for u in units]
+        after = [model.update_s * u.nbytes / total for u in units]
+    else:
+        resource = [0] * len(units)
+        wire = [cluster.allreduce_s(u.nbytes) for u in units]
+        after = [0.0] * len(units)
+    return _System(
+        name=system.describe() if isinstance(system, DDPConfig) else _strategy_name(system),
+        bucket_ready_s=tuple(max(model.ready_s[s] for s in slots) for slots in slots_of),
+        held_bucket=held,
+        gate_s=tuple(min(model.first_use_s[s] for s in slots) for slots in slots_of),
+        update_s=tuple(updates),
+        unit_bucket=tuple(u.bucket for u in units),
+        unit_bytes=tuple(u.nbytes for u in units),
+        unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
+        unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
+        resources=max(1, servers), credit_bytes=credit, overlap=overlap,
+        update_all_at_once=isinstance(system, DDPConfig),
+    )
+
+
+def _block_bytes(block_bytes: int, total_bytes: int, servers: int) -> int:
+    """`commsched.ps.sharding.plan_model_sharding`'s block size: about `PS_BLOCKS_PER_SERVER` per server."""
+    return max(1, min(block_bytes, max(PS_MIN_BLOCK_BYTES, total_bytes // (PS_BLOCKS_PER_SERVER * servers))))
+
+
+def _place(block_nbytes: Sequence[int], servers: int) -> list[int]:
+    """As `commsched.ps.sharding.place_blocks`: largest block first onto the least loaded server."""
+    loads = [0] * servers
+    placed = [0] * len(block_nbytes)
+    for block in sorted(range(len(block_nbytes)), key=lambda b: (-block_nbytes[b], b)):
+        server = min(range(servers), key=lambda s: (loads[s], s))
+        placed[block] = server
+        loads[server] += block_nbytes[block]
+    return placed
+
+
+def _strategy_name(strategy: Strategy) -> str:
+    parts = ["priority" if strategy.priority else "FIFO"]
+    parts.append("whole buckets" if strategy.partition_mb is None else f"partitions {strategy.partition_mb:g} MiB")
+    parts.append("no credit window" if strategy.credit_mb is None else f"credit {strategy.credit_mb:g} MiB")
+    parts.append(f"buckets {strategy.bucket_cap_mb:g}/{strategy.first_bucket_mb:g} MiB")
+    parts.append("forward overlap" if strategy.overlap_forward else "no overlap")
+    if strategy.parameter_server:
+        parts.append(f"{strategy.backend.num_servers} parameter server(s)")
+    return "commsched (" + ", ".join(parts) + ")"
+
+
+# ------------------------------------------------------------------ the compute program
+_WORK, _READY, _END, _WAIT, _WAIT_ALL, _MARK = range(6)
+_FORWARD, _BACKWARD, _UPDATE = range(3)
+
+
+def _program(model: _Model, system: _System, iterations: int) -> list[tuple]:
+    """Per iteration: its start, the forward pass (with overlap: each bucket of the previous
+    iteration waited for and updated where the pass first reads it), the backward pass
+    (buckets ready), and without overlap the wait and the update."""
+    buckets = range(len(system.bucket_ready_s))
+    gates = sorted(buckets, key=lambda b: (system.gate_s[b], b))
+    arrivals = sorted((b for b in buckets if b != system.held_bucket), key=lambda b: (system.bucket_ready_s[b], b))
+    ops: list[tuple] = []
+
+    def work(seconds: float, phase: int) -> None:
+        if seconds > 0:
+            ops.append((_WORK, seconds, phase))
+
+    for it in range(iterations):
+        ops.append((_MARK, it))
+        at = 0.0
+        if system.overlap and it > 0:
+            for b in gates:
+                work(system.gate_s[b] - at, _FORWARD)
+                at = max(at, system.gate_s[b])
+                ops.append((_WAIT, it - 1, b))
+                work(system.update_s[b], _UPDATE)
+        work(model.forward_s - at, _FORWARD)
+        at = 0.0
+        for b in arrivals:
+            work(system.bucket_ready_s[b] - at, _BACKWARD)
+            at = max(at, system.bucket_ready_s[b])
+            ops.append((_READY, it, b))
+        work(model.backward_end_s - at, _BACKWARD)
+        ops.append((_END, it))
+        if not system.overlap:
+            if system.update_all_at_once:
+                ops.append((_WAIT_ALL, it))
+                work(sum(system.update_s), _UPDATE)
+            else:
+                for b in buckets:
+                    ops.append((_WAIT, it, b))
+                    work(system.update_s[b], _UPDATE)
+    return ops
+
+
+# ------------------------------------------------------------------ the engine
+_START, _END_WIRE, _DONE, _END_AND_DONE = range(4)
+
+
+class _Run:
+    """One simulation: the clock, the links, and per iteration its dispatcher (ready units, credit)."""
+
+    def __init__(self, system: _System, cluster: Cluster, iterations: int):
+        self.s = system
+        self.slow = 1.0 + cluster.compute_slowdown
+        self.t = 0.0
+        self.events: list[tuple] = []
+        self.seq = 0
+        self.active = 0
+        """Units on the wire now: computation beside them is stretched."""
+        self.free_at = [0.0] * system.resources
+        units_of: list[list[int]] = [[] for _ in system.bucket_ready_s]
+        for u, b in enumerate(system.unit_bucket):
+            units_of[b].append(u)
+        self.units_of = units_of
+        self.left = [[len(us) for us in units_of] for _ in range(iterations)]
+        self.left_total = [len(system.unit_bucket)] * iterations
+        self.ready: list[list[tuple]] = [[] for _ in range(iterations)]
+        self.in_flight_bytes = [0] * iterations
+        self.in_flight = [0] * iterations
+        self.all_ready = [False] * iterations
+        self.busy = [[0.0] * system.resources for _ in range(iterations)]
+
+    # ---------------------------------------------------------- the link
+    def _push(self, time: float, kind: int, it: int, unit: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (time, self.seq, kind, it, unit))
+
+    def pump(self, it: int) -> None:
+        """Issue every ready unit of iteration ``it`` the window allows, most urgent first.
+
+        As `commsched.scheduler.simulate_schedule`: a unit that does not fit goes
+        alone when nothing is in flight, and once every bucket of the pass is ready
+        the window no longer limits.
+        """
+        heap, s = self.ready[it], self.s
+        credit = s.credit_bytes
+        while heap:
+            u = heap[0][-1]
+            if (credit is not None and not self.all_ready[it] and self.in_flight[it]
+                    and self.in_flight_bytes[it] + s.unit_bytes[u] > credit):
+                return
+            heapq.heappop(heap)
+            r, wire, after = s.unit_resource[u], s.unit_wire_s[u], s.unit_after_s[u]
+            start = max(self.t, self.free_at[r])
+            end = start + wire
+            self.free_at[r] = end
+            self.busy[it][r] += wire
+            self.in_flight[it] += 1
+            self.in_flight_bytes[it] += s.unit_bytes[u]
+            if wire > 0:
+                self._push(start, _START, it, u)
+                if after > 0:
+                    self._push(end, _END_WIRE, it, u)
+                    self._push(end + after, _DONE, it, u)
+                else:
+                    self._push(end, _END_AND_DONE, it, u)
+            else:
+                self._push(end + after, _DONE, it, u)
+
+    def advance(self, until: float) -> None:
+        """Handle every event up to ``until`` (the clock must already be there)."""
+        events = self.events
+        while events and events[0][0] <= until:
+            _, _, kind, it, u = heapq.heappop(events)
+            if kind == _START:
+                self.active += 1
+                continue
+            if kind != _DONE:
+                self.active -= 1
+                if kind == _END_WIRE:
+                    continue
+            s = self.s
+            self.in_flight[it] -= 1
+            self.in_flight_bytes[it] -= s.unit_bytes[u]
+            self.left[it][s.unit_bucket[u]] -= 1
+            self.left_total[it] -= 1
+            if self.ready[it]:
+                self.pump(it)
+
+    def mark_ready(self, it: int, bucket: int) -> None:
+        keys, ready = self.s.unit_key, self.ready[it]
+        for u in self.units_of[bucket]:
+            heapq.heappush(ready, (keys[u], u))
+
+    # ---------------------------------------------------------- the worker
+    def compute(self, seconds: float) -> float:
+        """Run ``seconds`` of computation, slower while a unit is on the wire; returns the time it took."""
+        began, events, remaining = self.t, self.events, seconds
+        while remaining > 0:
+            factor = self.slow if self.active else 1.0
+            finish = self.t + remaining * factor
+            if events and events[0][0] < finish:
+                at = events[0][0]
+                if at > self.t:
+                    remaining -= (at - self.t) / factor
+                    self.t = at
+                self.advance(self.t)
+            else:
+                self.t = finish
+                remaining = 0.0
+        return self.t - began
+
+    def wait_until(self, done) -> float:
+        """Let the link run until ``done()``; returns the time waited."""
+        began = self.t
+        while not done():
+            if not self.events:
+                raise RuntimeError("the simulation waits for a unit that was never issued (a bug in the engine)")
+            self.t = max(self.t, self.events[0][0])
+            self.advance(self.t)
+        return self.t - began
+
+
+def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, iterations: int = 4) -> SimResult:
+    """``iterations`` consecutive iterations of ``system`` sharing the link(s); the last one reported.
+
+    The first iteration starts on an idle link with nothing to wait for; the
+    next ones wait for what the one before left (the forward pass's gates), so
+    from the second on they repeat: the last is the steady state. A `Strategy`
+    is taken literally (``adaptive`` is not applied: the simulator is what
+    chooses).
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r} (2 or more reach steady state)")
+    model = _model(profile)
+    compiled = _compile(model, cluster, system)
+    run = _Run(compiled, cluster, iterations)
+    current, started = 0, 0.0
+    phases = [0.0, 0.0, 0.0]
+    plain = 0.0
+    for op in _program(model, compiled, iterations):
+        code = op[0]
+        if code == _WORK:
+            phases[op[2]] += run.compute(op[1])
+            plain += op[1]
+        elif code == _READY:
+            it = op[1]
+            run.mark_ready(it, op[2])
+            run.advance(run.t)
+            run.pump(it)
+        elif code == _END:
+            it = op[1]
+            if compiled.held_bucket is not None:
+                run.mark_ready(it, compiled.held_bucket)
+            run.all_ready[it] = True
+            run.advance(run.t)
+            run.pump(it)
+        elif code == _WAIT:
+            left, b = run.left[op[1]], op[2]
+            run.wait_until(lambda: left[b] == 0)
+        elif code == _WAIT_ALL:
+            left_total, it = run.left_total, op[1]
+            run.wait_until(lambda: left_total[it] == 0)
+        else:  # _MARK
+            current, started = op[1], run.t
+            phases = [0.0, 0.0, 0.0]
+            plain = 0.0
+    iteration_s = run.t - started
+    compute_s = sum(phases)
+    return SimResult(
+        iteration_s=iteration_s, compute_s=compute_s, link_busy_s=max(run.busy[current]),
+        exposed_s=max(0.0, iteration_s - compute_s), collectives=len(compiled.unit_bucket),
+        forward_s=phases[_FORWARD], backward_s=phases[_BACKWARD], update_s=phases[_UPDATE],
+        contention_s=max(0.0, compute_s - plain), system=compiled.name,
+    )
+
+
+def bound_s(profile: Profile, cluster: Cluster) -> float:
+    """No system is faster: max(computation alone, the link time every gradient needs).
+
+    All-reduce: one all-reduce of every gradient. With ``cluster.servers``: as
+    `commsched.bench.grid` defines it, the busiest server link, each worker's
+    copy of that server's bytes in and out at the link rate (taken perfectly
+    balanced), against the worker's computation without the update (the
+    servers run it).
+    """
+    model = _model(profile)
+    compute = model.forward_s + model.backward_end_s
+    if cluster.servers:
+        link = cluster.workers * math.ceil(model.total_bytes / cluster.servers) / cluster.bytes_per_s
+        return max(compute, link)
+    return max(compute + model.update_s, cluster.allreduce_s(model.total_bytes))
