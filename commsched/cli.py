@@ -47,8 +47,19 @@ def _trace_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from commsched.bench.plan import PlanError, run
+
+    try:
+        return run(args)
+    except PlanError as error:
+        print("commsched plan: " + " ".join(str(error).split()), file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     from commsched.bench import grid
+    from commsched.bench import plan as plan_module
     from commsched.bench.models import WORKLOADS
 
     parser = argparse.ArgumentParser(prog="commsched", description=__doc__)
@@ -84,6 +95,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     grid.build_parser(bench)
     bench.set_defaults(action=grid.run_from_args)
+
+    plan = commands.add_parser(
+        "plan", help="simulate torch DDP, commsched and the best Strategy on clusters of any size, from a profile",
+        description=plan_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("model", nargs="?", metavar="MODEL",
+                      help="a bench workload, a torchvision model name or package.module:factory "
+                           "(optional with --profile)")
+    plan.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    plan.add_argument("--input-shape", type=int, nargs="+", metavar="N",
+                      help="one example's shape, for torchvision models (default 3 224 224) and import paths")
+    plan.add_argument("--iterations", type=int, default=5, help="measured iterations (default 5)")
+    plan.add_argument("--device", help="where to profile (default: cuda if available, else cpu)")
+    plan.add_argument("--workers", type=int, nargs="+", default=list(plan_module.DEFAULT_WORKERS), metavar="N",
+                      help="cluster sizes to simulate (default %(default)s)")
+    plan.add_argument("--gbit", type=float, nargs="+", default=list(plan_module.DEFAULT_GBIT), metavar="RATE",
+                      help="link rates in Gbit/s (default %(default)s)")
+    plan.add_argument("--latency-us", type=float, default=25.0, help="per-hop latency (default 25)")
+    plan.add_argument("--algorithm", choices=("ring", "tree"), default="ring", help="all-reduce (default ring)")
+    plan.add_argument("--servers", type=int, default=0,
+                      help="parameter servers besides the workers: their strategies are candidates too")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--profile", type=Path, metavar="FILE", help="plan from this saved profile")
+    source.add_argument("--save-profile", type=Path, metavar="FILE", help="save the measured profile here")
+    plan.add_argument("--compute-scale", type=float, default=1.0, metavar="X",
+                      help="multiply every compute time by X (0.02: a device 50x faster than the profiled one)")
+    plan.add_argument("--plot", type=Path, metavar="PNG", help="draw the speedup over DDP against workers")
+    plan.set_defaults(action=_plan)
     return parser
 
 
