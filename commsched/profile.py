@@ -12,7 +12,7 @@ reading it. Per link (optional: a profile taken in one process has none), the
 all-reduce times measured at a few sizes among ``world_size`` replicas, a fit
 ``latency_s + n / bytes_per_s``, and how much an all-reduce running beside
 computation slows that computation down on this host (``compute_slowdown``: 0.1
-means 10% longer). The format is versioned; a file of another version is
+means 10% longer), and the computation the all-reduce (``collective_slowdown``). The format is versioned; a file of another version is
 refused with the fix rather than misread.
 """
 
@@ -74,6 +74,9 @@ class LinkProfile:
     """Fitted all-reduce throughput: bytes reduced per second beyond the fixed cost."""
     compute_slowdown: float = 0.0
     """Computation with an all-reduce beside it takes ``1 + compute_slowdown`` times as long."""
+    collective_slowdown: float = 0.0
+    """An all-reduce with computation beside it takes ``1 + collective_slowdown`` times as long
+    (where the transport needs the host's cores, as gloo over TCP does, computation slows it)."""
 
     def duration_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
@@ -144,6 +147,7 @@ class Profile:
                     samples=tuple(LinkSample(**s) for s in link["samples"]),
                     latency_s=float(link["latency_s"]), bytes_per_s=float(link["bytes_per_s"]),
                     compute_slowdown=float(link.get("compute_slowdown", 0.0)),
+                    collective_slowdown=float(link.get("collective_slowdown", 0.0)),
                 ),
                 version=version,
             )

@@ -385,7 +385,8 @@ def measure_link(
     ``compute_slowdown`` is the median time of ``compute()`` while all-reduces
     of the largest size run beside it (enough back to back to cover it, at
     most `MAX_BESIDE_COLLECTIVES`) over its median time alone, minus one,
-    at least 0. Every rank gets the same result: each figure is the largest any
+    at least 0; ``collective_slowdown`` is how much the computation slows those
+    all-reduces ([Note: slowdown of the all-reduces]). Every rank gets the same result: each figure is the largest any
     rank measured. A rank that does not join raises `CommunicationTimeout`
     after ``timeout_s``.
     """
@@ -413,9 +414,10 @@ def measure_link(
     floor_s, *medians = (statistics.median(column) for column in zip(*times))
     figures = _largest_over_ranks([floor_s, *medians], group, device, timeout_s)
     floor_s, medians = figures[0], figures[1:]
-    slowdown = 0.0
+    slowdown = collective_slowdown = 0.0
     if compute is not None:
-        slowdown = _compute_slowdown(compute, buffers[-1], medians[-1], group, device, repeats, timeout_s, now)
+        slowdown, collective_slowdown = _slowdowns(compute, buffers[-1], medians[-1], group, device, repeats,
+                                                   timeout_s, now)
     latency_s, bytes_per_s = fit_link(sizes, medians, floor_s)
     return LinkProfile(
         world_size=world_size,
@@ -423,6 +425,7 @@ def measure_link(
         latency_s=latency_s,
         bytes_per_s=bytes_per_s,
         compute_slowdown=slowdown,
+        collective_slowdown=collective_slowdown,
     )
 
 
@@ -456,7 +459,7 @@ def _largest_over_ranks(
     return tensor.tolist()
 
 
-def _compute_slowdown(
+def _slowdowns(
     compute: Callable[[], None],
     buffer: torch.Tensor,
     collective_s: float,
@@ -465,8 +468,17 @@ def _compute_slowdown(
     repeats: int,
     timeout_s: float,
     now: Callable[[], float],
-) -> float:
-    """See `measure_link`. Collective; every rank runs the same number of all-reduces."""
+) -> tuple[float, float]:
+    """``(compute_slowdown, collective_slowdown)``; see `measure_link`. Collective; every rank runs
+    the same number of all-reduces.
+
+    [Note: slowdown of the all-reduces] The all-reduces issued beside
+    ``compute()`` run at a rate ``1 / (1 + y)`` while it runs and at full rate
+    after. With ``W`` their work alone (count x ``collective_s``), ``T`` the
+    computation's time beside them and ``total`` the time until the last one
+    completes: if they finish within ``T``, ``total = W (1 + y)``; otherwise
+    ``total = W + T y / (1 + y)``. Either gives ``y``.
+    """
     what = "an all-reduce beside computation (commsched.profiling.measure_link)"
 
     def run_compute() -> float:
@@ -478,15 +490,25 @@ def _compute_slowdown(
     alone_s = statistics.median(run_compute() for _ in range(repeats))
     alone_s = _largest_over_ranks([alone_s], group, device, timeout_s)[0]
     count = max(1, min(MAX_BESIDE_COLLECTIVES, math.ceil(alone_s / max(collective_s, 1e-9))))
-    alone, beside = [], []
+    work_s = count * collective_s
+    alone, beside, stretched = [], [], []
     for _ in range(repeats):
         alone.append(run_compute())
+        issued = now()
         works = [dist.all_reduce(buffer, group=group, async_op=True) for _ in range(count)]
         beside.append(run_compute())
         for work in works:
             wait_or_raise(work, timeout_s, what)
+        total_s = now() - issued
+        if total_s <= beside[-1]:
+            stretched.append(total_s / max(work_s, 1e-12) - 1.0)
+        else:
+            share = min(0.95, max(0.0, (total_s - work_s) / max(beside[-1], 1e-12)))
+            stretched.append(share / (1.0 - share))
     ratio = statistics.median(beside) / max(statistics.median(alone), 1e-12) - 1.0
-    return max(0.0, _largest_over_ranks([ratio], group, device, timeout_s)[0])
+    compute_slowdown, collective_slowdown = _largest_over_ranks(
+        [ratio, statistics.median(stretched)], group, device, timeout_s)
+    return max(0.0, compute_slowdown), max(0.0, collective_slowdown)
 
 
 # ------------------------------------------------------------------------- both

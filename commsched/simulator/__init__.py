@@ -35,8 +35,14 @@ launch):
 ends at ``backward_s`` (or the last gradient); the update takes ``update_s``,
 split over buckets by bytes for commsched's per-bucket updates. Computation
 that runs while a collective is on the wire takes ``1 + compute_slowdown`` times
-as long (the host's cores and memory bandwidth are shared); a collective's own
-time is not stretched.
+as long (the host's cores and memory bandwidth are shared); and a collective
+issued while the worker computes (not while it waits for the link) takes
+``1 + collective_slowdown`` times as long on the wire, the other side of the
+same sharing, which matters where the transport itself needs the host's cores
+(gloo over TCP; hardly NCCL). Both are measured by
+`commsched.profiling.measure_link`. A collective is stretched whole, as issued:
+a simplification that overstates it where computation ends while it is on the
+wire.
 
 *Systems*:
 - torch DDP (`DDPConfig`): buckets by its caps in reverse forward order, each

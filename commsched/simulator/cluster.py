@@ -40,13 +40,16 @@ class Cluster:
     """Fixed host cost of each collective (Python, the gloo/NCCL launch), added to its time."""
     compute_slowdown: float = 0.0
     """Computation beside a running collective takes ``1 + compute_slowdown`` times as long."""
+    collective_slowdown: float = 0.0
+    """A collective issued while the worker computes takes ``1 + collective_slowdown`` times as
+    long on the wire (a transport that needs the host's cores, as gloo over TCP does)."""
 
     def __post_init__(self) -> None:
         _check_count("workers", self.workers, 1)
         _check_count("servers", self.servers, 0)
         if isinstance(self.gbit_s, bool) or not isinstance(self.gbit_s, (int, float)) or not self.gbit_s > 0:
             raise ValueError(f"Cluster.gbit_s must be a link rate > 0 Gbit/s (math.inf allowed), got {self.gbit_s!r}")
-        for name in ("latency_s", "host_overhead_s", "compute_slowdown"):
+        for name in ("latency_s", "host_overhead_s", "compute_slowdown", "collective_slowdown"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and value >= 0
@@ -110,6 +113,7 @@ class Cluster:
         return cls(
             workers=workers, gbit_s=rate_gbit if gbit_s is None else gbit_s, latency_s=alpha, algorithm=algorithm,
             host_overhead_s=max(0.0, link.latency_s - hops * alpha), compute_slowdown=link.compute_slowdown,
+            collective_slowdown=link.collective_slowdown,
         )
 
     def link_profile(self, sizes: Sequence[int] = LINK_SAMPLE_BYTES) -> LinkProfile:
@@ -124,6 +128,7 @@ class Cluster:
             latency_s=self.allreduce_s(0),
             bytes_per_s=math.inf if per_byte <= 0 else 1 / per_byte,
             compute_slowdown=self.compute_slowdown,
+            collective_slowdown=self.collective_slowdown,
         )
 
     def describe(self) -> str:

@@ -295,6 +295,12 @@ class _Run:
     def __init__(self, system: _System, cluster: Cluster, iterations: int):
         self.s = system
         self.slow = 1.0 + cluster.compute_slowdown
+        self.stretch = 1.0 + cluster.collective_slowdown
+        self.computing = True
+        """The worker is computing, not waiting for the link: the wire runs ``stretch`` times slower."""
+        self.wire_start: dict[tuple[int, int], float] = {}
+        self.wire_end: dict[tuple[int, int], float] = {}
+        """Per (iteration, unit) issued: when its time on the wire starts and ends, as scheduled now."""
         self.t = 0.0
         self.events: list[tuple] = []
         self.seq = 0
@@ -311,7 +317,6 @@ class _Run:
         self.in_flight_bytes = [0] * iterations
         self.in_flight = [0] * iterations
         self.all_ready = [False] * iterations
-        self.busy = [[0.0] * system.resources for _ in range(iterations)]
 
     # ---------------------------------------------------------- the link
     def _push(self, time: float, kind: int, it: int, unit: int) -> None:
@@ -334,10 +339,13 @@ class _Run:
                 return
             heapq.heappop(heap)
             r, wire, after = s.unit_resource[u], s.unit_wire_s[u], s.unit_after_s[u]
+            if self.computing:  # at this rate for now; `_set_computing` re-times it when that changes
+                wire *= self.stretch
             start = max(self.t, self.free_at[r])
             end = start + wire
             self.free_at[r] = end
-            self.busy[it][r] += wire
+            self.wire_end[it, u] = end
+            self.wire_start[it, u] = start
             self.in_flight[it] += 1
             self.in_flight_bytes[it] += s.unit_bytes[u]
             if wire > 0:
@@ -370,6 +378,14 @@ class _Run:
             if self.ready[it]:
                 self.pump(it)
 
+    def link_busy_s(self, it: int) -> float:
+        """The busiest resource's time on the wire for iteration ``it``'s units, as scheduled."""
+        busy = [0.0] * self.s.resources
+        for (of, u), end in self.wire_end.items():
+            if of == it:
+                busy[self.s.unit_resource[u]] += end - self.wire_start[of, u]
+        return max(busy)
+
     def mark_ready(self, it: int, bucket: int) -> None:
         keys, ready = self.s.unit_key, self.ready[it]
         for u in self.units_of[bucket]:
@@ -396,12 +412,52 @@ class _Run:
     def wait_until(self, done) -> float:
         """Let the link run until ``done()``; returns the time waited."""
         began = self.t
+        if done():
+            return 0.0
+        self._set_computing(False)
         while not done():
             if not self.events:
                 raise RuntimeError("the simulation waits for a unit that was never issued (a bug in the engine)")
             self.t = max(self.t, self.events[0][0])
             self.advance(self.t)
+        self._set_computing(True)
         return self.t - began
+
+    def _set_computing(self, computing: bool) -> None:
+        """The worker starts or stops computing at ``t``: the wire's rate changes from then on.
+
+        Units on a resource run back to back from its head, so every wire time
+        still ahead (of the head and of the units queued behind it) scales by
+        the ratio of the rates, from ``t`` on; what follows a unit's wire time
+        (a server's update) does not.
+        """
+        if computing == self.computing:
+            return
+        self.computing = computing
+        if self.stretch == 1.0:
+            return
+        t = self.t
+        k = self.stretch if computing else 1.0 / self.stretch
+
+        def later(at: float) -> float:
+            return t + (at - t) * k if at > t else at
+
+        ends, starts = self.wire_end, self.wire_start
+        for key, end in ends.items():
+            if end > t:
+                ends[key] = later(end)
+                starts[key] = later(starts[key])
+        after = self.s.unit_after_s
+        events = []
+        for time, seq, kind, it, u in self.events:
+            if kind == _DONE:
+                time = ends[it, u] + after[u]
+            else:
+                time = later(time)
+            events.append((time, seq, kind, it, u))
+        heapq.heapify(events)
+        self.events = events
+        self.free_at = [later(at) for at in self.free_at]
 
 
 def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, iterations: int = 4) -> SimResult:
@@ -451,7 +507,7 @@ def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, i
     iteration_s = run.t - started
     compute_s = sum(phases)
     return SimResult(
-        iteration_s=iteration_s, compute_s=compute_s, link_busy_s=max(run.busy[current]),
+        iteration_s=iteration_s, compute_s=compute_s, link_busy_s=run.link_busy_s(current),
         exposed_s=max(0.0, iteration_s - compute_s), collectives=len(compiled.unit_bucket),
         forward_s=phases[_FORWARD], backward_s=phases[_BACKWARD], update_s=phases[_UPDATE],
         contention_s=max(0.0, compute_s - plain), system=compiled.name,

@@ -57,6 +57,7 @@ def test_the_link_of_two_ranks():
 
     def a_slowdown_that_is_never_negative():
         assert 0.0 <= first["link"].compute_slowdown < 100.0
+        assert 0.0 <= first["link"].collective_slowdown <= 19.0  # see [Note: slowdown of the all-reduces]
 
     def the_profile_of_a_group_carries_its_link():
         profile = first["profile"]

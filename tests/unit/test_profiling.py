@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -136,6 +138,20 @@ def test_save_and_load_give_the_same_profile(tmp_path):
     path = tmp_path / "three.json"
     profile.save(path)
     assert Profile.load(path) == profile
+
+
+def test_a_link_survives_the_round_trip_and_a_missing_slowdown_reads_as_none(tmp_path):
+    from commsched.profile import LinkProfile, LinkSample
+
+    link = LinkProfile(2, (LinkSample(2**16, 1e-3), LinkSample(2**20, 9e-3)), 5e-4, 1.2e8,
+                       compute_slowdown=0.25, collective_slowdown=0.75)
+    profile = profile_three_linear().with_link(link)
+    path = tmp_path / "linked.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    data = profile.to_dict()
+    del data["link"]["collective_slowdown"], data["link"]["compute_slowdown"]
+    assert Profile.from_dict(data).link == dataclasses.replace(link, compute_slowdown=0.0, collective_slowdown=0.0)
 
 
 def test_a_profile_of_another_version_is_refused_with_the_fix(tmp_path):

@@ -84,7 +84,8 @@ def test_cluster_refuses_bad_values_with_the_field():
 def test_from_link_inverts_a_measured_ring():
     """A cluster's link as a two-replica measurement would record it gives that cluster back."""
     for world in (2, 4):
-        cluster = Cluster(world, 10.0, latency_s=25e-6, host_overhead_s=2e-4, compute_slowdown=0.15)
+        cluster = Cluster(world, 10.0, latency_s=25e-6, host_overhead_s=2e-4, compute_slowdown=0.15,
+                          collective_slowdown=0.4)
         link = cluster.link_profile()
         assert link.world_size == world
         for sample in link.samples:
@@ -93,7 +94,7 @@ def test_from_link_inverts_a_measured_ring():
         assert back.gbit_s == pytest.approx(10.0)
         assert back.latency_s == pytest.approx(25e-6)
         assert back.host_overhead_s == pytest.approx(2e-4)
-        assert back.compute_slowdown == 0.15
+        assert (back.compute_slowdown, back.collective_slowdown) == (0.15, 0.4)
         scaled = Cluster.from_link(link, workers=256, gbit_s=40.0)
         assert (scaled.workers, scaled.gbit_s, scaled.latency_s) == (256, 40.0, back.latency_s)
         assert scaled.allreduce_s(0) == pytest.approx(2 * 255 * 25e-6 + 2e-4)
@@ -142,6 +143,36 @@ def test_communication_beside_computation_stretches_it():
     assert result.contention_s == pytest.approx(first / 3)
     calm = simulate(profile, dataclasses.replace(cluster, compute_slowdown=0.0), DDPConfig())
     assert calm.iteration_s == pytest.approx(compute_s(profile) + last)
+
+
+def test_computation_beside_a_collective_stretches_the_collective():
+    """The same two buckets: the output layer's goes out while backward computes, so with
+    ``collective_slowdown`` 1 it takes twice as long on the wire (still hidden: the backward pass is
+    longer); the input layer's goes out when the worker waits for it, at full speed. The rate follows
+    the worker: slow while it computes, full while it waits."""
+    profile = make_profile([4.0, 1.0], forward_s=0.05, backward_s=0.2, update_s=0.01)
+    profile = dataclasses.replace(profile, parameters=(
+        profile.parameters[0], dataclasses.replace(profile.parameters[1], ready_s=0.0)))
+    cluster = Cluster(4, 1.0, collective_slowdown=1.0)
+    first, last = cluster.allreduce_s(MIB), cluster.allreduce_s(4 * MIB)
+    assert 2 * first < profile.backward_s
+    ddp = simulate(profile, cluster, DDPConfig())
+    assert ddp.iteration_s == pytest.approx(compute_s(profile) + last)
+    assert ddp.link_busy_s == pytest.approx(2 * first + last)
+    whole = Strategy(partition_mb=None, credit_mb=None, bucket_cap_mb=1.0, first_bucket_mb=1.0, adaptive=False)
+    waits = simulate(profile, cluster, dataclasses.replace(whole, overlap_forward=False))
+    overlaps = simulate(profile, cluster, whole)
+    calm = dataclasses.replace(cluster, collective_slowdown=0.0)
+    # Without overlap the worker updates the output layer's bucket while the input layer's is on the
+    # wire: computing, so that part of it runs slower (by at most the update's time).
+    assert 2 * first + last < waits.link_busy_s <= 2 * first + last + profile.update_s
+    # With overlap the next forward pass reads the input layer first, so the worker waits for it at
+    # once, at full speed: no slower than without the slowdown.
+    assert overlaps.iteration_s == pytest.approx(simulate(profile, calm, whole).iteration_s)
+    # Had it other layers to compute first, the input layer's bucket would be slowed meanwhile.
+    late = dataclasses.replace(profile, parameters=(
+        dataclasses.replace(profile.parameters[0], first_use_s=0.04), profile.parameters[1]))
+    assert simulate(late, cluster, whole).iteration_s > simulate(late, calm, whole).iteration_s
 
 
 def test_the_bucket_the_forward_pass_reads_first_goes_when_the_backward_pass_ends():
