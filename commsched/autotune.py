@@ -12,7 +12,9 @@ start of one synchronised backward pass to the next) is what it costs, and a
 Bayesian optimiser (optuna's TPE sampler, seeded, ask/tell) proposes the next
 setting to try from what it has seen. The first trial is the cost model's
 choice, so a tuned run is never worse than what warm-up alone gives but for
-the iterations spent measuring. After ``autotune_iterations`` iterations the
+the iterations spent measuring; the next few are the settings the simulator
+(`commsched.simulator`) predicts fastest on the warm-up's timeline, so the
+measurements start where the optimum most likely is. After ``autotune_iterations`` iterations the
 best measured setting is adopted.
 
 The protocol: settings change only at *switch points*, the start of a
@@ -45,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from commsched.cost_model import Setting, Timeline
+from commsched.profile import LinkProfile, ParameterProfile, Profile
 from commsched.strategy import MAX_SIZE_MB, MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, Strategy, require_optuna
 
 SETTLE_ITERATIONS = 1
@@ -238,6 +241,11 @@ class Warmup:
     choice: Setting | None
     """The cost model's partitioning (None: the configured one)."""
     overlap_allowed: bool
+    parameters: tuple[tuple[int, int], ...] = ()
+    """Per slot: the gradient's elements and bytes per element (for the simulator)."""
+    forward_order: tuple[int, ...] = ()
+    """Slots in the order the forward pass first reads them."""
+    world_size: int = 1
 
 
 def starting_point(warmup: Warmup) -> TunedSetting:
@@ -255,6 +263,73 @@ def starting_point(warmup: Warmup) -> TunedSetting:
 
 StartingPoint = Callable[[Warmup], TunedSetting]
 
+SIMULATED_GUESSES = 3
+"""Settings the simulator ranks best, measured right after the starting point."""
+
+MAX_SIMULATED_SETTINGS = 1500
+"""A larger space is thinned evenly before it is simulated (each simulation takes about a millisecond)."""
+
+
+def warmup_profile(warmup: Warmup) -> Profile | None:
+    """The warm-up timeline as a `commsched.profile.Profile`, for the simulator; None without one.
+
+    The timeline knows when each gradient was ready and how long the forward
+    pass took, not when the forward pass first read each parameter: as the
+    cost model does, it is taken to reach each parameter after the share of the
+    forward pass equal to the share of parameter bytes read before it. The link
+    is the one the cost model measured; the CPU share of the transport stands
+    in for the slowdown of computation beside it.
+    """
+    timeline = warmup.timeline
+    if timeline is None or warmup.world_size < 2 or not warmup.parameters or not warmup.forward_order:
+        return None
+    sizes = warmup.parameters
+    total = sum(numel * size for numel, size in sizes) or 1
+    first_use, seen = {}, 0
+    for slot in warmup.forward_order:
+        first_use[slot] = timeline.forward_s * seen / total
+        seen += sizes[slot][0] * sizes[slot][1]
+    parameters = tuple(
+        ParameterProfile(f"slot {slot}", numel, size, first_use.get(slot, timeline.forward_s),
+                         timeline.slot_ready_s[slot])
+        for slot, (numel, size) in enumerate(sizes)
+    )
+    link = LinkProfile(warmup.world_size, (), timeline.link.latency_s, timeline.link.bytes_per_s,
+                       compute_slowdown=max(0.0, timeline.transport_cpu_share))
+    return Profile("warm-up", "rank 0", 0, timeline.forward_s, max(timeline.slot_ready_s, default=0.0), 0.0,
+                   parameters, link=link)
+
+
+def simulated_guesses(warmup: Warmup, space: SearchSpace, count: int = SIMULATED_GUESSES) -> list[TunedSetting]:
+    """The settings of ``space`` the simulator predicts fastest on the warm-up's timeline, the fastest
+    for each of the ``count`` partition sizes predicted best (fastest first); none where there is
+    no timeline to simulate."""
+    from commsched.simulator import Cluster, simulate
+
+    profile = warmup_profile(warmup)
+    if profile is None or count < 1:
+        return []
+    cluster = Cluster.from_link(profile.link, workers=warmup.world_size)
+    settings = list(space.grid())
+    if len(settings) > MAX_SIMULATED_SETTINGS:
+        step = len(settings) / MAX_SIMULATED_SETTINGS
+        settings = [settings[int(i * step)] for i in range(MAX_SIMULATED_SETTINGS)]
+    strategy = dataclasses.replace(warmup.strategy, autotune=False, adaptive=False)
+    predicted: dict[tuple[object, ...], tuple[float, TunedSetting]] = {}
+    for setting in settings:
+        key = setting.behaviour(strategy)
+        if key not in predicted:
+            predicted[key] = (simulate(profile, cluster, setting.applied(strategy)).iteration_s, setting)
+    ranked = sorted(predicted.values(), key=lambda pair: pair[0])
+    # One per partition size: neighbours of the best (another credit window) teach the optimiser little.
+    guesses: list[TunedSetting] = []
+    for _, setting in ranked:
+        if all(setting.partition_mb != g.partition_mb for g in guesses):
+            guesses.append(setting)
+        if len(guesses) == count:
+            break
+    return guesses
+
 
 # ----------------------------------------------------------------- the study
 @dataclass(frozen=True)
@@ -271,14 +346,20 @@ class Study:
     twice in one study.
     """
 
-    def __init__(self, space: SearchSpace, start: TunedSetting, strategy: Strategy, seed: int, startup_trials: int):
+    def __init__(self, space: SearchSpace, start: TunedSetting, strategy: Strategy, seed: int, startup_trials: int,
+                 then: Sequence[TunedSetting] = ()):
         optuna = require_optuna()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # multivariate TPE is marked experimental
             sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup_trials, multivariate=True)
         self._study = optuna.create_study(direction="minimize", sampler=sampler)
+        queued = {start.behaviour(strategy)}
         self._study.enqueue_trial(space.indices(start))
+        for setting in then:  # measured next, in this order (the simulator's best guesses)
+            if setting.behaviour(strategy) not in queued:
+                queued.add(setting.behaviour(strategy))
+                self._study.enqueue_trial(space.indices(setting))
         self._space, self._strategy = space, strategy
         self._measured: dict[tuple[object, ...], float] = {}
         self._pending: tuple[object, TunedSetting] | None = None
@@ -373,9 +454,12 @@ class TuningConfig:
 class Controller:
     """Rank 0's side: measures iteration times, runs the studies, decides at switch points."""
 
-    def __init__(self, space: SearchSpace, start: TunedSetting, strategy: Strategy, config: TuningConfig):
+    def __init__(self, space: SearchSpace, start: TunedSetting, strategy: Strategy, config: TuningConfig,
+                 guesses: Sequence[TunedSetting] = ()):
         self.space, self.strategy, self.config = space, strategy, config
         self._start = start
+        self._guesses = tuple(guesses)
+        """Measured right after ``start`` in the first study (`simulated_guesses`)."""
         self._current = start
         self._phase = Phase.TUNING
         self._studies = 0
@@ -424,7 +508,7 @@ class Controller:
                                                                           MAX_RETUNE_ITERATIONS)
         self._trials_expected = config.trials(budget)
         self._study = Study(self.space, seed_setting, self.strategy, config.seed + self._studies,
-                            startup_trials=STARTUP_TRIALS)
+                            startup_trials=STARTUP_TRIALS, then=self._guesses if self._studies == 0 else ())
         self._studies += 1
         self._phase = phase
         first = self._study.ask()

@@ -29,7 +29,7 @@ from torch.distributed.algorithms.join import Join
 from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.autotune import (
     Controller, Decision, Phase as TuningPhase, SearchSpace, TunedSetting, TuningConfig, TuningLog, Warmup,
-    starting_point,
+    simulated_guesses, starting_point,
 )
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
@@ -262,11 +262,14 @@ class GradientReducer:
         try:
             if self._controller is None:
                 allowed = self.strategy.overlap_forward and self._overlap_blocked is None
-                start = starting_point(Warmup(self.strategy, timeline,
-                                              None if self.choice is None else self.choice.setting, allowed))
+                warmup = Warmup(self.strategy, timeline, None if self.choice is None else self.choice.setting,
+                                allowed, tuple((p.numel(), p.element_size()) for p in self._params),
+                                tuple(self.layout.forward_order), dist.get_world_size(self.process_group))
+                start = starting_point(warmup)
                 gradient_bytes = sum(p.numel() * p.element_size() for p in self._params)
                 space = SearchSpace.around(gradient_bytes, start, allowed)
-                self._controller = Controller(space, start, self.strategy, TuningConfig.of(self.strategy))
+                self._controller = Controller(space, start, self.strategy, TuningConfig.of(self.strategy),
+                                              simulated_guesses(warmup, space))
             return self._controller.decide(iteration)
         except Exception:  # noqa: BLE001 - tuning is an optimisation: keep training as it is
             logger.exception("commsched: auto-tuning stopped at iteration %d; the setting in use stays", iteration)

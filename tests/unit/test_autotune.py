@@ -245,3 +245,58 @@ def test_the_starting_point_is_the_cost_models_choice_with_the_configured_bucket
     assert start == TunedSetting(4.0, 16.0, 8.0, 0.5, True)
     assert starting_point(Warmup(strategy, None, None, overlap_allowed=False)) == TunedSetting(
         strategy.partition_mb, strategy.credit_mb, 8.0, 0.5, False)
+
+
+def _warmup_on_a_slow_link(strategy: Strategy) -> Warmup:
+    """20 layers of 1 MiB, gradients ready 10 ms apart, a 60 ms forward pass, 2 replicas on a link
+    where one layer's all-reduce takes about as long as its backward."""
+    from commsched.cost_model import Timeline
+    from commsched.scheduler import LinkModel
+
+    layers = 20
+    timeline = Timeline(tuple(0.010 * (layers - slot) for slot in range(layers)), 0.060,
+                        LinkModel(latency_s=5e-4, bytes_per_s=120e6), transport_cpu_share=0.1)
+    return Warmup(strategy, timeline, None, True, tuple((MIB // 4, 4) for _ in range(layers)),
+                  tuple(range(layers)), world_size=2)
+
+
+def test_the_simulators_guesses_are_the_fastest_predicted_points_of_the_space():
+    from commsched.autotune import simulated_guesses, warmup_profile
+    from commsched.simulator import Cluster, simulate
+
+    strategy = Strategy(autotune=True)
+    warmup = _warmup_on_a_slow_link(strategy)
+    space = SearchSpace.around(20 * MIB, starting_point(warmup), overlap_allowed=True)
+    guesses = simulated_guesses(warmup, space, count=3)
+    assert len(guesses) == 3 and len({g.partition_mb for g in guesses}) == 3
+    profile = warmup_profile(warmup)
+    assert profile.forward_order == list(range(20)) and profile.gradient_bytes == 20 * MIB
+    cluster = Cluster.from_link(profile.link, workers=2)
+    literal = dataclasses.replace(strategy, autotune=False, adaptive=False)
+    predicted = {s: simulate(profile, cluster, s.applied(literal)).iteration_s for s in space.grid()}
+    best = min(predicted.values())
+    assert predicted[guesses[0]] == pytest.approx(best)
+    assert [predicted[g] for g in guesses] == sorted(predicted[g] for g in guesses)
+    for guess in guesses:  # the fastest of its partition size
+        same = [s for s in predicted if s.partition_mb == guess.partition_mb]
+        assert predicted[guess] == pytest.approx(min(predicted[s] for s in same))
+    # and no other partition size has a faster setting than the last guess
+    others = [t for s, t in predicted.items() if s.partition_mb not in {g.partition_mb for g in guesses}]
+    assert min(others) >= predicted[guesses[-1]] - 1e-12
+    # Nothing to simulate without a timeline or a second replica.
+    assert simulated_guesses(dataclasses.replace(warmup, timeline=None), space) == []
+    assert simulated_guesses(dataclasses.replace(warmup, world_size=1), space) == []
+
+
+def test_the_guesses_are_measured_right_after_the_starting_point():
+    strategy = Strategy(autotune=True)
+    space = SearchSpace.around(GRADIENT_BYTES, FAR_START, overlap_allowed=True)
+    points = [s for s in space.grid() if s.overlap_forward and s.partition_mb is not None]
+    guesses = [points[len(points) // 2], FAR_START, points[-1]]
+    controller = Controller(space, FAR_START, strategy, TuningConfig.of(strategy), guesses)
+    run = Run(TuningLog(), controller, [], WARMUP_ITERATIONS, 0.0)
+    decide(run)
+    drive(run, 3 * (SETTLE_ITERATIONS + strategy.autotune_trial_iterations))
+    tried = [setting for _, setting in run.log.settings]
+    # The start, then the guesses in order, the one equal to the start not measured twice.
+    assert tried[:3] == [FAR_START, guesses[0], guesses[2]]
