@@ -87,6 +87,7 @@ def worker(config_path: Path, out_path: Path) -> None:
     spec = json.loads(config_path.read_text())
     chosen = tuple(decode(system) for system in spec.pop("systems"))
     measure_memory = spec.pop("measure_peak_rss")
+    take_profile = spec.pop("profile", False)
     config = ComparisonConfig(**spec, systems=chosen, show_progress=False)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     peaks, started = {}, time.monotonic()
@@ -97,35 +98,44 @@ def worker(config_path: Path, out_path: Path) -> None:
     dist.init_process_group("gloo")
     results = compare_on_rank(rank, world_size, config)
     allreduce = allreduce_on_rank(rank, world_size, config)
+    profile = None
+    if take_profile:
+        from commsched.bench.in_situ import profile_on_rank
+
+        profile = profile_on_rank(rank, world_size, config)
     if rank == 0:
         for name, peak in peaks.items():
             results[name].peak_rss_mib = peak
         phases_s = {"peak_rss": measured_memory - started, "comparison": time.monotonic() - measured_memory}
         out_path.write_text(json.dumps({"systems": {name: asdict(r) for name, r in results.items()},
-                                        "allreduce": asdict(allreduce), "phases_s": phases_s}))
+                                        "allreduce": asdict(allreduce), "phases_s": phases_s,
+                                        "profile": profile}))
     dist.destroy_process_group()
 
 
 def cell_spec(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
-              measure_peak_rss: bool = False) -> dict:
+              measure_peak_rss: bool = False, profile: bool = False) -> dict:
     """What `worker` reads: the comparison's settings and systems, as JSON-ready data."""
     return {
         "workload": cell.model, "batch_size": cell.batch_size, "iterations": iterations,
         "rounds": rounds, "warmup": warmup, "num_servers": cell.ps_servers,
         "systems": [encode(system) for system in chosen], "measure_peak_rss": measure_peak_rss,
+        "profile": profile,
     }
 
 
 def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
-             timeout_s: float, port: int = 29533, measure_peak_rss: bool = False) -> dict:
+             timeout_s: float, port: int = 29533, measure_peak_rss: bool = False, profile: bool = False) -> dict:
     """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result,
-    "phases_s": seconds of the peak-RSS phase and of the comparison}``.
+    "phases_s": seconds of the peak-RSS phase and of the comparison, "profile": ...}``.
 
     With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
+    With ``profile``, the model is profiled on the cell's hosts after the comparison
+    (`commsched.bench.in_situ`) and ``"profile"`` holds it as JSON-ready data (else None).
     """
     from commsched.bench.cluster import EmulatedCluster, LinkSpec
 
-    spec = cell_spec(cell, chosen, rounds, iterations, warmup, measure_peak_rss)
+    spec = cell_spec(cell, chosen, rounds, iterations, warmup, measure_peak_rss, profile)
     hosts = cell.hosts + cell.ps_servers
     with tempfile.TemporaryDirectory() as tmp, \
             EmulatedCluster(hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:

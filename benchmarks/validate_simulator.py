@@ -1,0 +1,158 @@
+"""How close the simulator comes to measured iteration times on the emulated cluster.
+
+    sudo .venv/bin/python benchmarks/validate_simulator.py            # the full table (about 30 min, 2 cores)
+    sudo .venv/bin/python benchmarks/validate_simulator.py --hosts 2 --rates-gbit 1 --models vgg-like
+
+For every cell (hosts x model x link rate) a fresh emulated cluster trains, side
+by side in interleaved rounds, torch DDP with its defaults, commsched's default
+`Strategy` and two other Strategies (coarse partitions; no forward overlap).
+Then, on the same hosts, the model is profiled with every host computing at
+once and the link is measured (`commsched.bench.in_situ`), as a user would
+profile on their own cluster before asking the simulator. The simulator is
+given that profile and link and nothing measured during the comparison; its
+iteration time for each system is set against the measured median.
+
+``--from-runs results/validation/runs.json`` simulates an earlier run's cells again
+(after a change to the simulator) without measuring.
+
+Writes ``runs.json`` (every measurement and profile) and ``validation.md`` (the
+table, median and worst absolute error) into ``--out``; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from commsched.bench.grid import BATCH, run_cell
+from commsched.bench.results import Cell
+from commsched.bench.systems import Commsched, ComputeOnly, TorchDDP
+from commsched.profile import Profile
+from commsched.profiling import scaled_compute
+from commsched.simulator import Cluster, DDPConfig, simulate
+from commsched.strategy import Strategy
+
+SYSTEMS = (
+    ComputeOnly(),
+    TorchDDP(),
+    Commsched(Strategy()),
+    Commsched(Strategy(partition_mb=4.0, credit_mb=16.0, adaptive=False), "4 MiB partitions"),
+    Commsched(Strategy(overlap_forward=False, adaptive=False), "no forward overlap"),
+)
+"""What each cell trains; compute alone is measured for the table, not simulated."""
+
+_SETTING = re.compile(r"^(whole buckets|partitions of ([0-9.]+) MiB, (no credit window|credit ([0-9.]+) MiB))")
+
+
+def strategy_in_use(system: Commsched, partitioning: str | None) -> Strategy:
+    """The Strategy the run used: with ``adaptive``, the partitioning its cost model chose
+    (`commsched.status`'s text, as the bench records it)."""
+    strategy = system.strategy
+    match = _SETTING.match(partitioning or "")
+    if not strategy.adaptive or match is None:
+        return strategy
+    if match.group(1) == "whole buckets":
+        return dataclasses.replace(strategy, partition_mb=None, credit_mb=None, adaptive=False)
+    credit = None if match.group(4) is None else float(match.group(4))
+    return dataclasses.replace(strategy, partition_mb=float(match.group(2)), credit_mb=credit, adaptive=False)
+
+
+def simulated_s(system: object, profile: Profile, cluster: Cluster, partitioning: str | None) -> float:
+    if isinstance(system, TorchDDP):
+        return simulate(profile, cluster, DDPConfig()).iteration_s
+    assert isinstance(system, Commsched)
+    return simulate(profile, cluster, strategy_in_use(system, partitioning)).iteration_s
+
+
+def compare_cell(cell: Cell, run: dict) -> list[dict]:
+    """One row per simulated system of one measured cell.
+
+    Besides the prediction from the profile as taken, each row has one from the
+    profile with its compute scaled to the compute alone the comparison measured
+    (``calibrated``): where the two differ, the profile's compute was off (the
+    hosts share two cores, so a few profiled iterations vary), not the model.
+    """
+    profile = Profile.from_dict(run["profile"])
+    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    compute_alone_s = statistics.median(run["systems"][ComputeOnly().name]["iteration_times_s"])
+    calibrated = scaled_compute(profile, compute_alone_s / (profile.forward_s + profile.backward_s + profile.update_s))
+    rows = []
+    for system in SYSTEMS:
+        if isinstance(system, ComputeOnly):
+            continue
+        measured = run["systems"][system.name]
+        measured_s = statistics.median(measured["iteration_times_s"])
+        predicted_s = simulated_s(system, profile, cluster, measured.get("partitioning"))
+        calibrated_s = simulated_s(system, calibrated, cluster, measured.get("partitioning"))
+        rows.append({"model": cell.model, "hosts": cell.hosts, "gbit": cell.rate_gbit, "system": system.name,
+                     "measured_ms": measured_s * 1e3, "simulated_ms": predicted_s * 1e3,
+                     "error": (predicted_s - measured_s) / measured_s,
+                     "calibrated_ms": calibrated_s * 1e3, "calibrated_error": (calibrated_s - measured_s) / measured_s})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | hosts | Gbit/s | system | measured ms | simulated ms | error | calibrated ms | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['hosts']} | {r['gbit']:g} | {r['system']} | {r['measured_ms']:.0f} | "
+              f"{r['simulated_ms']:.0f} | {r['error']:+.1%} | {r['calibrated_ms']:.0f} | "
+              f"{r['calibrated_error']:+.1%} |" for r in rows]
+    for key, label in (("error", "Simulated from the profile as taken"),
+                       ("calibrated_error", "With the profile's compute calibrated to the measured compute alone")):
+        errors = [abs(r[key]) for r in rows]
+        if not errors:
+            continue
+        worst = max(rows, key=lambda r: abs(r[key]))
+        lines += ["", f"{label}: median absolute error {statistics.median(errors):.1%}; worst {max(errors):.1%} "
+                      f"({worst['model']}, {worst['hosts']} hosts, {worst['gbit']:g} Gbit/s, {worst['system']})."]
+        for name in dict.fromkeys(r["system"] for r in rows):
+            mine = [abs(r[key]) for r in rows if r["system"] == name]
+            lines.append(f"- {name}: median {statistics.median(mine):.1%}, worst {max(mine):.1%}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
+    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.25, 1.0, 10.0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--out", type=Path, default=Path("results/validation"))
+    parser.add_argument("--from-runs", type=Path, metavar="RUNS_JSON",
+                        help="simulate the cells of an earlier run's runs.json again, without measuring")
+    args = parser.parse_args(argv)
+    if args.from_runs:
+        record = json.loads(args.from_runs.read_text())
+        print(markdown([row for entry in record for row in compare_cell(Cell(**entry["cell"]), entry["run"])]))
+        return 0
+    from commsched.bench.cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"validate_simulator: {reason}; the emulated cluster needs it", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    record, rows = [], []
+    for hosts, model, rate in itertools.product(args.hosts, args.models, args.rates_gbit):
+        cell = Cell(model, rate, hosts, BATCH[model], 0)
+        print(f"{model}, {hosts} hosts, {rate:g} Gbit/s ...", flush=True)
+        run = run_cell(cell, SYSTEMS, args.rounds, args.iterations, args.warmup, args.timeout_s, profile=True)
+        rows += compare_cell(cell, run)
+        record.append({"cell": dataclasses.asdict(cell), "run": run})
+        (args.out / "runs.json").write_text(json.dumps(record, indent=1))
+        (args.out / "validation.md").write_text(markdown(rows))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
