@@ -21,16 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from commsched.placement import MIN_BLOCK_BYTES, place_blocks, server_block_bytes
 from commsched.scheduler import Partition
-
-MIN_BLOCK_BYTES = 64 * 1024
-"""Smallest block worth a message of its own, unless smaller blocks are asked for."""
-
-BLOCKS_PER_SERVER = 4
-"""Blocks are made small enough for about this many per server, so that placement
-can balance the bytes (a model of five 1 MiB blocks cannot be split evenly over
-four servers), but not below `MIN_BLOCK_BYTES`."""
-
 
 def min_block_bytes_for(block_bytes: int) -> int:
     """Blocks are at least half the target size, or 64 KiB if that is smaller.
@@ -169,19 +161,6 @@ def _nearest_row_boundary(position: int, numels: list[int], rows: list[int], off
     return position
 
 
-def place_blocks(block_nbytes: Sequence[int], num_servers: int) -> list[int]:
-    """Largest block first onto the least loaded server; ties go to the lower index."""
-    if num_servers < 1:
-        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-    loads = [0] * num_servers
-    servers = [0] * len(block_nbytes)
-    for block in sorted(range(len(block_nbytes)), key=lambda b: (-block_nbytes[b], b)):
-        server = min(range(num_servers), key=lambda s: (loads[s], s))
-        servers[block] = server
-        loads[server] += block_nbytes[block]
-    return servers
-
-
 def plan_model_sharding(
     params: Sequence[torch.Tensor],
     bucket_slots: Sequence[Sequence[int]],
@@ -191,11 +170,11 @@ def plan_model_sharding(
 ) -> ShardingPlan:
     """Blocks of a model's trainable parameters laid out in ``bucket_slots``, and their servers.
 
-    ``block_bytes`` is lowered, if needed, to about `BLOCKS_PER_SERVER` blocks per server.
+    ``block_bytes`` is lowered, if needed, to about `commsched.placement.BLOCKS_PER_SERVER` blocks per server.
     """
     numels = [p.numel() for p in params]
     total = sum(p.numel() * p.element_size() for p in params)
-    block_bytes = min(block_bytes, max(MIN_BLOCK_BYTES, total // (BLOCKS_PER_SERVER * num_servers)))
+    block_bytes = server_block_bytes(block_bytes, total, num_servers)
     rows = [p.numel() // p.shape[0] if p.dim() > 0 and p.shape[0] > 0 else max(1, p.numel()) for p in params]
     sizes = [params[slots[0]].element_size() for slots in bucket_slots]
     blocks, segments = make_blocks(bucket_slots, numels, rows, sizes, bucket_priorities, block_bytes)

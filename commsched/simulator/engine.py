@@ -12,21 +12,16 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from commsched.buckets import bucket_layout
+from commsched.placement import place_blocks, server_block_bytes
 from commsched.profile import Profile
 from commsched.scheduler import make_partitions
 from commsched.simulator.cluster import Cluster
 from commsched.strategy import MIB, Strategy
-
-PS_MIN_BLOCK_BYTES = 64 * 1024
-PS_BLOCKS_PER_SERVER = 4
-"""As `commsched.ps.sharding` (which sits above the simulator): blocks are made small enough for
-about this many per server, but not below `PS_MIN_BLOCK_BYTES`."""
 
 _DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64, 16: torch.complex128}
 
@@ -174,7 +169,7 @@ def _compile(model: _Model, cluster: Cluster, system: Strategy | DDPConfig) -> _
                 f"the strategy has {servers} parameter server(s) but the cluster {cluster.servers}; build the "
                 f"cluster with Cluster(..., servers={servers})"
             )
-        partition_bytes = _block_bytes(system.ps_block_bytes, model.total_bytes, servers) if servers \
+        partition_bytes = server_block_bytes(system.ps_block_bytes, model.total_bytes, servers) if servers \
             else system.partition_bytes
     else:
         raise TypeError(f"simulate takes a commsched Strategy or a DDPConfig, got {type(system).__name__}")
@@ -190,7 +185,7 @@ def _compile(model: _Model, cluster: Cluster, system: Strategy | DDPConfig) -> _
     updates = [0.0 if servers else model.update_s * nbytes / total for nbytes in bucket_bytes]
 
     if servers:
-        resource = _place([u.nbytes for u in units], servers)
+        resource = place_blocks([u.nbytes for u in units], servers)
         wire = [cluster.push_pull_s(u.nbytes) for u in units]
         after = [model.update_s * u.nbytes / total for u in units]
     else:
@@ -210,22 +205,6 @@ def _compile(model: _Model, cluster: Cluster, system: Strategy | DDPConfig) -> _
         resources=max(1, servers), credit_bytes=credit, overlap=overlap,
         update_all_at_once=isinstance(system, DDPConfig),
     )
-
-
-def _block_bytes(block_bytes: int, total_bytes: int, servers: int) -> int:
-    """`commsched.ps.sharding.plan_model_sharding`'s block size: about `PS_BLOCKS_PER_SERVER` per server."""
-    return max(1, min(block_bytes, max(PS_MIN_BLOCK_BYTES, total_bytes // (PS_BLOCKS_PER_SERVER * servers))))
-
-
-def _place(block_nbytes: Sequence[int], servers: int) -> list[int]:
-    """As `commsched.ps.sharding.place_blocks`: largest block first onto the least loaded server."""
-    loads = [0] * servers
-    placed = [0] * len(block_nbytes)
-    for block in sorted(range(len(block_nbytes)), key=lambda b: (-block_nbytes[b], b)):
-        server = min(range(servers), key=lambda s: (loads[s], s))
-        placed[block] = server
-        loads[server] += block_nbytes[block]
-    return placed
 
 
 def _strategy_name(strategy: Strategy) -> str:
