@@ -14,8 +14,9 @@ setting to try from what it has seen. The first trial is the cost model's
 choice, so a tuned run is never worse than what warm-up alone gives but for
 the iterations spent measuring; the next few are the settings the simulator
 (`commsched.simulator`) predicts fastest on the warm-up's timeline, so the
-measurements start where the optimum most likely is. After ``autotune_iterations`` iterations the
-best measured setting is adopted.
+measurements start where the optimum most likely is. After ``autotune_iterations``
+iterations the fastest settings are measured once more (`CONFIRM_BEST`) and the
+fastest on that second measurement is adopted.
 
 The protocol: settings change only at *switch points*, the start of a
 synchronised backward pass whose number every rank knows (each `Decision`
@@ -61,6 +62,12 @@ DRIFT_THRESHOLD = 0.2
 
 MAX_RETUNE_ITERATIONS = 100
 """A re-tune's budget: ``Strategy.autotune_iterations``, at most this many iterations."""
+
+CONFIRM_BEST = 2
+"""After the search, its fastest this many settings are measured once more, and the fastest on
+that second measurement is adopted: the fastest of a dozen noisy measurements owes part of its
+lead to its noise (a setting measured 8% fast in a trial of 3 iterations ran at the others'
+speed after); a measurement it was not chosen on does not."""
 
 MAX_REPEATS = 64
 """How many times in a row the optimiser may propose a setting already measured (whose
@@ -507,6 +514,9 @@ class Controller:
         budget = config.budget_iterations if self._studies == 0 else min(config.budget_iterations,
                                                                           MAX_RETUNE_ITERATIONS)
         self._trials_expected = config.trials(budget)
+        self._confirm = min(CONFIRM_BEST, max(0, self._trials_expected - 2))
+        self._finalists: list[TunedSetting] | None = None
+        self._confirmed: list[Trial] = []
         self._study = Study(self.space, seed_setting, self.strategy, config.seed + self._studies,
                             startup_trials=STARTUP_TRIALS, then=self._guesses if self._studies == 0 else ())
         self._studies += 1
@@ -520,21 +530,35 @@ class Controller:
         study = self._study
         if measured is None:  # nothing measured (a trial of zero intervals): count it as no information
             measured = math.inf
-        study.tell(measured)
         ended_ms = measured * 1e3
-        following = study.ask() if len(study.trials) < self._trials_expected else None
-        if following is not None:
-            return self._trial_decision(following, ended_ms)
-        best = study.best
+        if self._finalists is None:
+            study.tell(measured)
+            searching = len(study.trials) < self._trials_expected - self._confirm
+            following = study.ask() if searching else None
+            if following is not None:
+                return self._trial_decision(following, ended_ms)
+            self._finalists = self._best_settings(self._confirm)
+        else:
+            self._confirmed.append(Trial(self._current, measured))
+        if self._finalists:
+            return self._trial_decision(self._finalists.pop(0), ended_ms)
+        # Chosen on one measurement, compared on another: the second carries no selection bias.
+        confirmed = [t for t in self._confirmed if math.isfinite(t.median_s)]
+        best = min(confirmed, key=lambda t: t.median_s) if confirmed else study.best
         self._phase = Phase.TUNED
         self._baseline_s = None
         return Decision(Phase.TUNED, best.setting, DRIFT_WINDOW + SETTLE_ITERATIONS, ended_ms=ended_ms,
-                        trials=len(study.trials))
+                        trials=len(study.trials) + len(self._confirmed))
+
+    def _best_settings(self, count: int) -> list[TunedSetting]:
+        """The ``count`` fastest settings the search measured (see `CONFIRM_BEST`)."""
+        finite = sorted((t for t in self._study.trials if math.isfinite(t.median_s)), key=lambda t: t.median_s)
+        return [t.setting for t in finite[:count]]
 
     def _trial_decision(self, setting: TunedSetting, ended_ms: float | None) -> Decision:
-        study = self._study
+        measured = len(self._study.trials) + len(self._confirmed)
         return Decision(self._phase, setting, SETTLE_ITERATIONS + self.config.trial_iterations,
-                        trial=len(study.trials) + 1, trials=self._trials_expected, ended_ms=ended_ms)
+                        trial=measured + 1, trials=self._trials_expected, ended_ms=ended_ms)
 
     def _steady(self, measured: float | None) -> Decision:
         if measured is None:
@@ -589,9 +613,14 @@ class TuningLog:
 
     @property
     def best(self) -> Trial | None:
-        trials = self.studies[-1] if self.studies else []
-        finite = [t for t in trials if math.isfinite(t.median_s)]
-        return min(finite, key=lambda t: t.median_s) if finite else None
+        """Tuned: the latest measurement of the setting in use (for a finalist, its second);
+        before that, the fastest measurement so far."""
+        trials = [t for t in (self.studies[-1] if self.studies else []) if math.isfinite(t.median_s)]
+        if self.phase is Phase.TUNED:
+            mine = [t for t in trials if t.setting == self.current]
+            if mine:
+                return mine[-1]
+        return min(trials, key=lambda t: t.median_s) if trials else None
 
     def describe(self) -> str:
         """Why the setting in use is the one in use."""
