@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rates-gbit", nargs="+", type=float)
     parser.add_argument("--json", type=Path, help="write every cell's result here")
+    parser.add_argument("--after-change", type=int, metavar="N",
+                        help="iterations trained after the link change (default: 40 with --quick, else 150)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per cell")
     args = parser.parse_args(argv)
     if args.worker:
@@ -292,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(QUICK if args.quick else FULL)
     if args.rates_gbit:
         settings["rates_gbit"] = args.rates_gbit
+    if args.after_change is not None:
+        settings["after_change"] = args.after_change
     rates = settings["rates_gbit"]
     cells = []
     for model in args.models:
