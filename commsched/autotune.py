@@ -29,7 +29,10 @@ layout, the new plan and the optimiser's state in new buckets).
 between switch points; the first window after the best setting is adopted is
 the baseline. If a later window's median differs from it by more than
 `DRIFT_THRESHOLD`, up or down, a new study starts, seeded with the setting in
-use (its window is its first measurement). Up: the link got slower or the
+use (its window is its first measurement), then the first study's starting
+point and the simulator's guesses again (on the old timeline, but reasonable
+candidates on any link; a re-tune after a link change that measured only the
+optimiser's proposals settled 12% above the new rate's best). Up: the link got slower or the
 host busier, and finer partitions may now pay. Down too: a much faster link
 (or less contention) moves the optimum towards fewer, larger collectives, and
 the baseline no longer says what the setting costs. Noise within the threshold
@@ -518,7 +521,7 @@ class Controller:
         self._finalists: list[TunedSetting] | None = None
         self._confirmed: list[Trial] = []
         self._study = Study(self.space, seed_setting, self.strategy, config.seed + self._studies,
-                            startup_trials=STARTUP_TRIALS, then=self._guesses if self._studies == 0 else ())
+                            startup_trials=STARTUP_TRIALS, then=self._guesses if self._studies == 0 else (self._start, *self._guesses))
         self._studies += 1
         self._phase = phase
         first = self._study.ask()

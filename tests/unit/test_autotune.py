@@ -196,6 +196,8 @@ def test_a_step_change_of_iteration_time_starts_a_new_search_seeded_with_the_set
     assert run.log.phase is Phase.RETUNING
     assert len(run.log.studies) == searches + 1
     assert run.log.studies[-1][0].setting == adopted  # the window measured it: the first trial
+    if adopted != FAR_START:  # then the first search's starting point is measured again
+        assert run.log.current == FAR_START
     assert run.log.drift == pytest.approx(factor, rel=0.01)
     verb = "rose" if factor > 1 else "fell"
     assert run.log.describe().startswith(f"re-tuning: iteration time {verb} {abs(factor - 1):.0%}; trial 2 of ~")
