@@ -23,8 +23,8 @@ from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (
-    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, rank_slice,
-    reference_backward, uses_aux,
+    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, local_step,
+    reference_step,
 )
 from tests.distributed.test_allreduce_parity import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
@@ -101,13 +101,8 @@ def case_parity(rank, world_size, optimizer_name, set_to_none, check_every_itera
     used, reference_used = UsedValues(model), UsedValues(reference)
     seen = []
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
-        mine = rank_slice(rank)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
-        reference_backward(reference, x, y, iteration, world_size)
-        reference_optimizer.step()
-        reference_optimizer.zero_grad(set_to_none=set_to_none)
+        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
         seen += settings_seen(model)
         if check_every_iteration:
             assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)

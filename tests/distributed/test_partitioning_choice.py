@@ -22,8 +22,8 @@ from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (
-    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, rank_slice,
-    reference_backward, uses_aux,
+    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, local_step,
+    rank_slice, reference_step,
 )
 from tests.distributed.test_scheduling import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
@@ -70,13 +70,8 @@ def case_unused_parameters(rank, world_size, optimizer_name, strategy, set_to_no
     model, optimizer = commsched.prepare(model, optimizer, strategy)
     partitions_in_warmup = None
     for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 4)):
-        mine = rank_slice(rank)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
-        reference_backward(reference, x, y, iteration, world_size)
-        reference_optimizer.step()
-        reference_optimizer.zero_grad(set_to_none=set_to_none)
+        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
         if iteration == WARMUP_ITERATIONS - 1:
             partitions_in_warmup = commsched.status(model).partitions
     assert commsched.status(model).partitions < partitions_in_warmup
