@@ -5,9 +5,11 @@ The model is profiled here, in one process (`commsched.profiling.profile_model`)
 or a profile saved earlier (``--save-profile`` on the machine that trains) is
 loaded with ``--profile``. Then, for every number of workers and link rate
 asked for, the simulator (`commsched.simulator`) replays one steady-state
-iteration of torch DDP with its defaults, of ``Strategy()`` and of every
-candidate of `strategy_space`, and the table shows each, the bound no system
-beats, and the fastest Strategy as the code to write.
+iteration of torch DDP with its defaults, of ``Strategy()`` as a run would
+adopt it (its cost model's choice of partitions for that cluster,
+`commsched.adoption.as_run`) and of every candidate of `strategy_space`,
+and the table shows each, the bound no system beats, and the fastest
+Strategy as the code to write.
 
 MODEL is one of:
 
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from commsched.adoption import as_run
 from commsched.profile import Profile
 from commsched.profiling import profile_model, scaled_compute
 from commsched.simulator import Cluster, DDPConfig, best_strategy, bound_s, simulate
@@ -243,7 +246,7 @@ def plan(profile: Profile, workers: Sequence[int], gbits: Sequence[float], laten
             rows.append(PlanRow(
                 workers=count, gbit_s=gbit,
                 ddp_s=simulate(profile, cluster, DDPConfig()).iteration_s,
-                default_s=simulate(profile, cluster, Strategy()).iteration_s,
+                default_s=simulate(profile, cluster, as_run(Strategy(), profile, cluster)).iteration_s,
                 best_s=result.iteration_s, bound_s=bound, best=best,
             ))
     return rows

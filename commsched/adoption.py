@@ -1,0 +1,63 @@
+"""What a `Strategy` runs as, predicted from a profile: the cost model's choice made ahead of time.
+
+A run with ``Strategy(adaptive=True)`` (the default) does not keep its
+configured partitions: at the end of warm-up its cost model
+(`commsched.cost_model`) picks among them, coarser ones and whole buckets on
+the measured timeline and link. The simulator takes a Strategy literally, so
+simulating ``Strategy()`` on a large ring would charge it for 1 MiB partitions
+that the run would never use (each costs 2(N-1) hops). `as_run` makes the same
+choice from a `Profile` and a simulated `Cluster`, so that ``commsched plan``
+shows what the defaults really do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from commsched.cost_model import Choice, Timeline, applied, choose
+from commsched.profile import Profile
+from commsched.scheduler import LinkModel
+from commsched.simulator import Cluster
+from commsched.strategy import Strategy
+
+_LINK_SAMPLE_BYTES = 1 << 24
+_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}
+
+
+def adapts(strategy: Strategy) -> bool:
+    """Whether a run of ``strategy`` lets the cost model pick its partitioning (as the reducer decides)."""
+    return strategy.adaptive and strategy.priority and not strategy.parameter_server and not strategy.autotune
+
+
+def cost_model_choice(strategy: Strategy, profile: Profile, cluster: Cluster) -> Choice:
+    """The cost model's choice for ``strategy`` on ``profile``'s timeline and ``cluster``'s link."""
+    params = [
+        torch.empty(p.numel, dtype=_DTYPE_OF_SIZE.get(p.element_size, torch.float32), device="meta")
+        for p in profile.parameters
+    ]
+    forward_order = sorted(range(len(params)), key=lambda slot: (profile.parameters[slot].first_use_s, slot))
+    fixed_s = cluster.allreduce_s(0)
+    per_byte_s = (cluster.allreduce_s(_LINK_SAMPLE_BYTES) - fixed_s) / _LINK_SAMPLE_BYTES
+    link = LinkModel(latency_s=fixed_s, bytes_per_s=1 / per_byte_s if per_byte_s > 0 else float("inf"))
+    timeline = Timeline(
+        slot_ready_s=tuple(p.ready_s for p in profile.parameters),
+        forward_s=profile.forward_s,
+        link=link,
+        transport_cpu_share=min(1.0, cluster.compute_slowdown),
+    )
+    return choose(strategy, params, forward_order, timeline)
+
+
+def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
+    """``strategy`` with the partitioning a run on ``cluster`` would adopt, and ``adaptive=False``.
+
+    Unchanged (but for ``adaptive``) where the run keeps its configured
+    values: ``adaptive=False``, no priority, parameter servers, auto-tuning
+    (which searches instead), or a single worker (nothing to reduce).
+    """
+    literal = dataclasses.replace(strategy, adaptive=False)
+    if not adapts(strategy) or cluster.workers < 2:
+        return literal
+    return applied(literal, cost_model_choice(strategy, profile, cluster).setting)
