@@ -198,11 +198,24 @@ def _decode_mb(value: torch.Tensor) -> float | None:
     return None if float(value) < 0 else float(value)
 
 
+def link_sets_the_pace(
+    partitions: Sequence[Partition], last_ready_s: float, forward_s: float, idle_link: LinkModel | None
+) -> bool:
+    """Whether reducing every partition on the idle link takes at least as long as the
+    computation of an iteration (the backward pass so far and the forward pass).
+
+    False without an idle measurement: the cautious plan (see `robust_plan`).
+    """
+    if idle_link is None:
+        return False
+    wire_s = sum(idle_link.duration_s(p.nbytes) for p in partitions)
+    return wire_s >= last_ready_s + forward_s
+
+
 def plan_on_rank0(
     partitions: Sequence[Partition],
     bucket_ready: Sequence[float],
-    loaded_bytes_per_s: float | None,
-    latency_s: float,
+    warmup: WarmupTimeline,
     credit_bytes: int | None,
     group: dist.ProcessGroup,
     timeout_s: float,
@@ -214,12 +227,16 @@ def plan_on_rank0(
     the measured latency and the bandwidth seen while training
     (`ReadyTimeProfile.loaded_bytes_per_s`); if the link is
     faster than that, non-urgent partitions merely go a little later, never
-    ahead of urgent ones.
+    ahead of urgent ones. Where the idle link is slower than the computation
+    (`link_sets_the_pace`), the plan keeps the link busy to the end of the
+    backward pass instead (see `robust_plan`).
     """
-    bytes_per_s = (loaded_bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
-    link = LinkModel(latency_s=latency_s, bytes_per_s=bytes_per_s)
+    bytes_per_s = (warmup.loaded_bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
+    link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=bytes_per_s)
     schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
-    plan = torch.tensor(robust_plan(partitions, schedule, max(bucket_ready, default=0.0)), dtype=torch.int64)
+    last_ready = max(bucket_ready, default=0.0)
+    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, warmup.idle_link)
+    plan = torch.tensor(robust_plan(partitions, schedule, last_ready, pace), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
@@ -234,10 +251,14 @@ class WarmupTimeline:
     slot_ready_s: tuple[float, ...]
     loaded_bytes_per_s: float | None
     latency_s: float
+    forward_s: float = 0.0
+    idle_link: LinkModel | None = None
+    """The link as the cost model measured it, idle (rank 0, when it ran)."""
 
     @classmethod
-    def of(cls, profile: ReadyTimeProfile, latency_s: float) -> WarmupTimeline:
-        return cls(tuple(profile.median_slot_ready_s()), profile.loaded_bytes_per_s(), latency_s)
+    def of(cls, profile: ReadyTimeProfile, latency_s: float, idle_link: LinkModel | None = None) -> WarmupTimeline:
+        return cls(tuple(profile.median_slot_ready_s()), profile.loaded_bytes_per_s(), latency_s,
+                   profile.median_forward_s(), idle_link)
 
 
 def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeout_s: float) -> Decision:

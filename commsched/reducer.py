@@ -209,7 +209,7 @@ class GradientReducer:
                     self._use_partitioning(self.choice.setting)
                 else:
                     latency_s = measure_latency(group, device, strategy.timeout_s)
-                self._warmup = WarmupTimeline.of(profile, latency_s)
+                self._warmup = WarmupTimeline.of(profile, latency_s, timeline.link if timeline else None)
                 self.plan = self._agree_on_plan()
             self._events.unsubscribe(profile)
             self._profile = None
@@ -227,8 +227,8 @@ class GradientReducer:
         """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
         warmup = self._warmup
         ready = bucket_ready_s(warmup.slot_ready_s, self.layout, self._held_buckets() or frozenset())
-        return plan_on_rank0(self.layout.partitions, ready, warmup.loaded_bytes_per_s, warmup.latency_s,
-                             self.effective_strategy.credit_bytes, self.control_group, self.strategy.timeout_s)
+        return plan_on_rank0(self.layout.partitions, ready, warmup, self.effective_strategy.credit_bytes,
+                             self.control_group, self.strategy.timeout_s)
 
     # ------------------------------------------------------------- auto-tuning
     def _tuning_switch_point(self, iteration: int, timeline: Timeline | None = None) -> tuple[int, ...] | None:

@@ -85,6 +85,8 @@ class SimulatedSchedule:
     """Partition ids in issue order."""
     finish_s: dict[int, float]
     """When each partition's reduction completes, relative to the first ready bucket."""
+    start_s: dict[int, float]
+    """When each partition gets the link (issued, and every earlier one done)."""
 
 
 def simulate_schedule(
@@ -110,6 +112,7 @@ def simulate_schedule(
     ready: list[tuple] = []
     order: list[int] = []
     finish: dict[int, float] = {}
+    start_on_link: dict[int, float] = {}
     in_flight: deque[tuple[float, int]] = deque()  # (finish time, bytes)
     in_flight_bytes, link_free_at, now, next_arrival = 0, 0.0, 0.0, 0
 
@@ -131,6 +134,7 @@ def simulate_schedule(
                 break
             heapq.heappop(ready)
             start = max(now, link_free_at)
+            start_on_link[p.pid] = start
             link_free_at = start + link.duration_s(p.nbytes)
             finish[p.pid] = link_free_at
             in_flight.append((link_free_at, p.nbytes))
@@ -145,20 +149,34 @@ def simulate_schedule(
         if in_flight:
             upcoming.append(in_flight[0][0])
         now = max(now, min(upcoming))
-    return SimulatedSchedule(order, finish)
+    return SimulatedSchedule(order, finish, start_on_link)
 
 
-def robust_plan(partitions: Sequence[Partition], schedule: SimulatedSchedule, last_ready_s: float) -> list[int]:
-    """The simulated order, hardened against a slower link than modelled.
+def robust_plan(
+    partitions: Sequence[Partition], schedule: SimulatedSchedule, last_ready_s: float, link_sets_the_pace: bool = False
+) -> list[int]:
+    """The simulated order, hardened against a link slower than modelled.
 
-    Only partitions the simulation finishes before the last bucket is ready
+    Only partitions the simulation has done before the last bucket is ready
     keep their simulated place; all others follow in priority order. The ones
     kept fill the link during the backward pass; the rest are issued when the
     backward pass ends, most urgent first. Had the simulated order been kept
-    whole, a late, slow partition planned ahead of the most urgent bucket would
+    whole, late, slow partitions planned ahead of the most urgent bucket would
     hold up the next forward pass.
+
+    "Done" is when the simulation *finishes* a partition where computation sets
+    the pace: the link has time to spare, and what matters is that nothing
+    non-urgent is still ahead of the input-side buckets. Where the link sets the
+    pace (``link_sets_the_pace``), every second it idles is lost, so a partition
+    the simulation *starts* before the end keeps its place too: moving it
+    behind the urgent bucket would leave the link idle, with partitions ready,
+    until the backward pass ends. At most one kept partition is then planned to
+    run past the end (the link carries one at a time).
     """
-    early = [pid for pid in schedule.order if schedule.finish_s[pid] <= last_ready_s]
+    if link_sets_the_pace:
+        early = [pid for pid in schedule.order if schedule.start_s[pid] < last_ready_s]
+    else:
+        early = [pid for pid in schedule.order if schedule.finish_s[pid] <= last_ready_s]
     kept = set(early)
     late = sorted((p for p in partitions if p.pid not in kept), key=lambda p: (p.priority, p.bucket, p.start))
     return early + [p.pid for p in late]
