@@ -191,16 +191,17 @@ def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessG
 
     With forward overlap, gradient reductions are still in flight when the next
     forward pass broadcasts buffers (or counts the ranks still training, under
-    ``Join``); on the same group the broadcast would wait for all of them, and
-    an operation issued beside partitions still being issued could take a
-    different place on each rank. Only made for the default group:
-    ``new_group`` must be entered by every process of the job.
+    ``Join``); on the same group the broadcast would wait for all of them (a
+    model with BatchNorm would lose the overlap), and an operation issued
+    beside partitions still being issued could take a different place on each
+    rank. Made over ``group``'s ranks with local synchronisation, so a
+    sub-group of the job (workers beside servers, one replica group of
+    several) gets one too, without the rest of the job taking part.
     """
-    if not strategy.overlap_forward:
+    if not strategy.overlap_forward or dist.get_world_size(group) == 1:
         return None
-    if dist.get_world_size(group) == 1 or group is not dist.group.WORLD:
-        return None
-    return dist.new_group(backend=dist.get_backend(group))
+    return dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                          use_local_synchronization=True)
 
 
 def _resolve_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

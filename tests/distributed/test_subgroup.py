@@ -1,0 +1,57 @@
+"""commsched on a sub-group of the job: the ranks outside it take no part, and nothing queues
+behind the gradients of the ranks inside it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.testing.models import BatchNormNet
+
+pytestmark = pytest.mark.distributed
+
+ITERATIONS = 5
+
+
+def train_on_two_of_three(rank: int, world_size: int) -> str:
+    """Ranks 0 and 1 train a BatchNorm model on a sub-group, against torch DDP on the same
+    sub-group; rank 2 (a server or another job's rank) only made the group."""
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        return "outside"
+    torch.manual_seed(0)
+    base = BatchNormNet()
+    ddp = DistributedDataParallel(copy.deepcopy(base), process_group=pair)
+    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9),
+                                         process_group=pair)
+    reducer = model._commsched_reducer
+    # The forward pass's buffer broadcast must not wait behind gradients still in flight.
+    assert reducer.buffer_group is not pair, "buffer broadcasts share the gradients' group"
+    assert dist.get_process_group_ranks(reducer.buffer_group) == [0, 1]
+    generator = torch.Generator().manual_seed(5 + rank)
+    for _ in range(ITERATIONS):
+        x = torch.randn(4, 1, 6, 6, generator=generator) + rank
+        y = torch.randint(0, 3, (4,), generator=generator)
+        for m, o in ((ddp, ddp_optimizer), (model, optimizer)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    optimizer.synchronize()
+    assert commsched.status(model).lifecycle.name == "OVERLAPPING", "the case must run with forward overlap"
+    for (name, a), (_, e) in zip(model.named_parameters(), ddp.module.named_parameters(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter '{name}': {m}")
+    for (name, a), (_, e) in zip(model.named_buffers(), ddp.module.named_buffers(), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
+    commsched.release(model)
+    return "trained"
+
+
+def test_a_sub_group_trains_exactly_with_its_own_buffer_group(ranks):
+    assert ranks(train_on_two_of_three, 3, timeout_s=180) == ["trained", "trained", "outside"]
