@@ -10,7 +10,10 @@ plan as soon as it is ready locally and fits the credit window, and never skips
 ahead. The plan is computed by rank 0 by simulating priority scheduling under
 credit on its own measured timeline (when each bucket became ready, how fast
 the link is), and published once, so the per-partition cost is nothing but
-the issue itself.
+the issue itself. A fixed order cannot adapt to a link faster or slower than
+simulated, so `robust_plan` hedges it: where computation sets the pace, only
+what the simulation finishes during the backward pass keeps its place (the
+rest waits behind the urgent buckets); where the link does, what it starts.
 """
 
 from __future__ import annotations
