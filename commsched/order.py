@@ -3,9 +3,11 @@
 Priority needs the *forward execution order* (registration order is wrong for
 many models: a parameter registered on a container, a head defined before its
 body). Forward overlap needs to know which parameters are used before their
-owning module runs (``F.linear(x, self.head.weight)`` in a parent's forward):
-such a parameter is not protected by its owner's gate, so its bucket is
-waited for at the very start of the forward pass instead.
+owning module runs (``F.linear(x, self.head.weight)`` in a parent's forward,
+or ``nn.MultiheadAttention``'s ``out_proj``, whose module never runs): such a
+parameter is not protected by its owner's gate, so its bucket is waited for at
+the very start of the forward pass instead, and the order puts it first, so
+that priority sends it first too.
 
 Both are recorded once, during the first forward pass that records gradients.
 """
@@ -34,6 +36,8 @@ class ForwardRecorder:
         self._entered: set[int] = set()
         self.module_order: list[torch.nn.Module] = []
         self.used_before_owner: set[int] = set()
+        self._early_uses: list[int] = []
+        """`used_before_owner`, in the order of first use."""
         # Attached from inside the root's own pre-hook, so the root's recording
         # hook would only run from the next call on: enter the root by hand.
         self._on_module_forward(root, ())
@@ -52,6 +56,7 @@ class ForwardRecorder:
             return
         if not any(id(owner) in self._entered for owner in self._owners.get(id(param), ())):
             self.used_before_owner.add(slot)
+            self._early_uses.append(slot)
 
     def finish(self) -> None:
         self._mode.__exit__(None, None, None)
@@ -60,12 +65,17 @@ class ForwardRecorder:
         self._handles.clear()
 
     def parameter_order(self, params: Sequence[torch.nn.Parameter]) -> list[int]:
-        """Slots in the order of their owner module's first forward call.
+        """Slots used before their owner first, in order of use; then the rest in the
+        order of their owner module's first forward call; then those whose modules
+        never ran and were not used, in registration order.
 
-        Parameters whose modules never ran follow, in registration order.
+        A parameter used before its owner is waited for when the forward pass
+        starts (see the module's docstring): ordered where its owner runs, or
+        last when its owner never runs, its bucket would get the lowest priority
+        and the forward pass would wait at its start for every other bucket.
         """
-        order: list[int] = []
-        placed: set[int] = set()
+        order: list[int] = list(self._early_uses)
+        placed: set[int] = set(order)
         for module in self.module_order:
             for param in module._parameters.values():
                 slot = None if param is None else self._slot_of.get(id(param))
