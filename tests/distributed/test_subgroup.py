@@ -31,10 +31,10 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9),
                                          process_group=pair)
-    reducer = model._commsched_reducer
+    buffer_group = model._commsched_reducer.buffer_group
     # The forward pass's buffer broadcast must not wait behind gradients still in flight.
-    assert reducer.buffer_group is not pair, "buffer broadcasts share the gradients' group"
-    assert dist.get_process_group_ranks(reducer.buffer_group) == [0, 1]
+    assert buffer_group is not pair, "buffer broadcasts share the gradients' group"
+    assert dist.get_process_group_ranks(buffer_group) == [0, 1]
     generator = torch.Generator().manual_seed(5 + rank)
     for _ in range(ITERATIONS):
         x = torch.randn(4, 1, 6, 6, generator=generator) + rank
@@ -50,6 +50,17 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     for (name, a), (_, e) in zip(model.named_buffers(), ddp.module.named_buffers(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
     commsched.release(model)
+    # A second model on the same sub-group (torch names a locally synchronised group by its
+    # ranks alone, so making another one would wait forever): it shares the buffer group.
+    second = BatchNormNet()
+    second, second_optimizer = commsched.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1),
+                                                 process_group=pair)
+    assert second._commsched_reducer.buffer_group is buffer_group
+    for _ in range(2):
+        F.cross_entropy(second(torch.randn(4, 1, 6, 6, generator=generator)), torch.zeros(4, dtype=torch.long)).backward()
+        second_optimizer.step()
+        second_optimizer.zero_grad()
+    commsched.release(second)
     return "trained"
 
 
