@@ -26,11 +26,6 @@ _LINK_SAMPLE_BYTES = 1 << 24
 _DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}
 
 
-def adapts(strategy: Strategy) -> bool:
-    """Whether a run of ``strategy`` lets the cost model pick its partitioning (as the reducer decides)."""
-    return strategy.adaptive and strategy.priority and not strategy.parameter_server and not strategy.autotune
-
-
 def cost_model_choice(strategy: Strategy, profile: Profile, cluster: Cluster) -> Choice:
     """The cost model's choice for ``strategy`` on ``profile``'s timeline and ``cluster``'s link."""
     params = [
@@ -58,6 +53,6 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     (which searches instead), or a single worker (nothing to reduce).
     """
     literal = dataclasses.replace(strategy, adaptive=False)
-    if not adapts(strategy) or cluster.workers < 2:
+    if not strategy.cost_model_picks_partitioning or strategy.autotune or cluster.workers < 2:
         return literal
     return applied(literal, cost_model_choice(strategy, profile, cluster).setting)

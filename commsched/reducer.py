@@ -280,8 +280,7 @@ class GradientReducer:
     @property
     def adapts(self) -> bool:
         """Whether the cost model picks the partitioning; see `Strategy.adaptive`."""
-        strategy = self.strategy
-        return strategy.adaptive and strategy.priority and not strategy.parameter_server
+        return self.strategy.cost_model_picks_partitioning
 
     def _use_partitioning(self, setting: Setting) -> None:
         """Lay the buckets out anew if the cost model chose another partitioning.

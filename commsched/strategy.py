@@ -275,6 +275,12 @@ class Strategy:
         return isinstance(self.backend, ParameterServer)
 
     @property
+    def cost_model_picks_partitioning(self) -> bool:
+        """Whether a run lets its cost model pick the partitioning at the end of warm-up
+        (see ``adaptive``: the all-reduce backend with priority only)."""
+        return self.adaptive and self.priority and not self.parameter_server
+
+    @property
     def bucket_size_limits_bytes(self) -> list[int]:
         """Bucket size limits in the form `compute_bucket_assignment_by_size` takes.
 
