@@ -14,35 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from commsched.cost_model import Choice, Timeline, applied, choose
 from commsched.profile import Profile
 from commsched.scheduler import LinkModel
-from commsched.simulator import Cluster
+from commsched.simulator import Cluster, meta_parameters
 from commsched.strategy import Strategy
-
-_LINK_SAMPLE_BYTES = 1 << 24
-_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}
 
 
 def cost_model_choice(strategy: Strategy, profile: Profile, cluster: Cluster) -> Choice:
     """The cost model's choice for ``strategy`` on ``profile``'s timeline and ``cluster``'s link."""
-    params = [
-        torch.empty(p.numel, dtype=_DTYPE_OF_SIZE.get(p.element_size, torch.float32), device="meta")
-        for p in profile.parameters
-    ]
-    forward_order = sorted(range(len(params)), key=lambda slot: (profile.parameters[slot].first_use_s, slot))
-    fixed_s = cluster.allreduce_s(0)
-    per_byte_s = (cluster.allreduce_s(_LINK_SAMPLE_BYTES) - fixed_s) / _LINK_SAMPLE_BYTES
-    link = LinkModel(latency_s=fixed_s, bytes_per_s=1 / per_byte_s if per_byte_s > 0 else float("inf"))
+    params = meta_parameters(profile)
+    measured = cluster.link_profile()  # what measuring the cluster's all-reduce would give
+    link = LinkModel(latency_s=measured.latency_s, bytes_per_s=measured.bytes_per_s)
     timeline = Timeline(
         slot_ready_s=tuple(p.ready_s for p in profile.parameters),
         forward_s=profile.forward_s,
         link=link,
         transport_cpu_share=min(1.0, cluster.compute_slowdown),
     )
-    return choose(strategy, params, forward_order, timeline)
+    return choose(strategy, params, profile.forward_order, timeline)
 
 
 def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:

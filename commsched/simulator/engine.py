@@ -108,6 +108,12 @@ class _Model:
     total_bytes: int
 
 
+def meta_parameters(profile: Profile) -> tuple[torch.Tensor, ...]:
+    """The profile's parameters as meta tensors (sizes and dtypes, no memory), for the layout
+    functions and the cost model."""
+    return _model(profile).tensors
+
+
 @functools.lru_cache(maxsize=8)
 def _model(profile: Profile) -> _Model:
     tensors = []
