@@ -22,7 +22,7 @@ from commsched.consistency import (
     verify_same_across_ranks,
     verify_setup_across_ranks,
 )
-from commsched.control import control_group_for
+from commsched.control import control_group_for, side_group_for
 from commsched.foreign_optimizers import watch_foreign_optimizers
 from commsched.module import CommschedModule
 from commsched.optim import CommschedOptimizer
@@ -186,34 +186,20 @@ def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
     return model._commsched_reducer
 
 
-_SUB_GROUP_BUFFER_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
-"""Buffer groups made for sub-groups, by sub-group: made once, shared by every model on it."""
-
-
 def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """A second group for buffer broadcasts and Join's counts, so they never queue behind gradients.
+    """The group for buffer broadcasts and Join's counts, so they never queue behind gradients.
 
     With forward overlap, gradient reductions are still in flight when the next
     forward pass broadcasts buffers (or counts the ranks still training, under
     ``Join``); on the same group the broadcast would wait for all of them (a
     model with BatchNorm would lose the overlap), and an operation issued
     beside partitions still being issued could take a different place on each
-    rank. For the default group, ``new_group`` over every process of the job.
-    For a sub-group of the job (workers beside servers, one replica group of
-    several), whose other processes do not call ``prepare``, the group is made
-    with local synchronisation; torch names such a group by its ranks alone,
-    so it is made once per sub-group and shared by every model prepared on it
-    (their broadcasts are issued in program order, the same on every rank).
+    rank. So they go on ``group``'s side group (see [Note: side groups] in
+    commsched/control.py).
     """
     if not strategy.overlap_forward or dist.get_world_size(group) == 1:
         return None
-    if group is dist.group.WORLD:
-        return dist.new_group(backend=dist.get_backend(group))
-    if group not in _SUB_GROUP_BUFFER_GROUPS:
-        _SUB_GROUP_BUFFER_GROUPS[group] = dist.new_group(
-            dist.get_process_group_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True
-        )
-    return _SUB_GROUP_BUFFER_GROUPS[group]
+    return side_group_for(group)
 
 
 def _resolve_process_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

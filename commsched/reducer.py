@@ -34,7 +34,7 @@ from commsched.autotune import (
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from commsched.consistency import broadcast_from, broadcast_from_rank0
-from commsched.control import takes_cpu_tensors
+from commsched.control import forget_side_groups, takes_cpu_tensors
 from commsched.cost_model import Choice, Setting, Timeline, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
@@ -668,6 +668,7 @@ class GradientReducer:
             abandon_process_groups([self.process_group], abort=False)  # the caller's, or the job's default group
             # commsched's own, when it has them:
             abandon_process_groups([self.buffer_group, self.control_group], abort=True)
+            forget_side_groups([self.buffer_group, self.control_group])
         self.transport.finish()
         self._tracker.drain()
         if self.current is not None:

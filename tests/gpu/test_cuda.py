@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+import commsched
 from commsched.testing import run_ranks
+from commsched.testing.models import BatchNormNet
 from tests.distributed.test_mixed_precision import mixed_precision_cases
 
 pytestmark = [
@@ -30,3 +34,29 @@ def test_gloo_with_cuda_tensors_two_ranks_on_one_gpu():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs for two NCCL ranks")
 def test_nccl_two_ranks_match_one_process():
     run_ranks(mixed_precision_cases, 2, "cuda", backend="nccl", timeout_s=400)
+
+
+def nccl_models_share_side_groups(rank: int, world_size: int) -> str:
+    """On NCCL, the control messages need a gloo side group: a second model on the same group, or
+    on a sub-group, must share it (torch names a locally synchronised group by its ranks alone,
+    so making a second one would wait forever)."""
+    for group in (None, dist.new_group(list(range(world_size)))):
+        made = []
+        for _ in range(2):
+            base = BatchNormNet().cuda()
+            model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1),
+                                                 process_group=group)
+            made.append(model._commsched_reducer.control_group)
+            for _ in range(5):
+                x = torch.randn(4, 1, 6, 6, device="cuda")
+                F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long, device="cuda")).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            commsched.release(model)
+        assert made[0] is made[1], "a second model made a second side group"
+        assert dist.get_backend(made[0]) == "cpu:gloo,cuda:nccl"
+    return "trained"
+
+
+def test_nccl_models_share_one_side_group_per_group():
+    assert run_ranks(nccl_models_share_side_groups, 1, backend="nccl", timeout_s=300) == ["trained"]

@@ -1,5 +1,6 @@
-"""commsched on a sub-group of the job: the ranks outside it take no part, and nothing queues
-behind the gradients of the ranks inside it."""
+"""commsched's side groups (see [Note: side groups] in commsched/control.py): on a sub-group of
+the job, the ranks outside it take no part, and nothing queues behind the gradients of the ranks
+inside it; every model prepared on a group shares one side group, until a failure drops it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
+from commsched import control
 from commsched.testing.models import BatchNormNet
 
 pytestmark = pytest.mark.distributed
@@ -64,5 +66,52 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     return "trained"
 
 
-def test_a_sub_group_trains_exactly_with_its_own_buffer_group(ranks):
-    assert ranks(train_on_two_of_three, 3, timeout_s=180) == ["trained", "trained", "outside"]
+def train_two_models_on_the_default_group(rank: int, world_size: int) -> str:
+    """Two models prepared on the default group share its side group; once forgotten (as after
+    a failure), the next ``prepare()`` makes a new one."""
+    generator = torch.Generator().manual_seed(rank)
+    side_groups = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        base = BatchNormNet()
+        model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
+        side_groups.append(model._commsched_reducer.buffer_group)
+        for _ in range(2):
+            x = torch.randn(4, 1, 6, 6, generator=generator)
+            F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        commsched.release(model)
+        if len(side_groups) == 2:
+            control.forget_side_groups([side_groups[-1]])
+    first, second, third = side_groups
+    assert first is not dist.group.WORLD, "buffer broadcasts share the gradients' group"
+    assert second is first, "a second model made a second side group"
+    assert third is not first, "a forgotten side group was used again"
+    return "trained"
+
+
+def two_models_on_a_group_without_cpu_backend(rank: int, world_size: int) -> str:
+    """A group that refuses CPU tensors, as NCCL does, sends the control messages on its side group
+    (with gloo for CPU tensors); a second model on it must share that group, not make another."""
+    group = dist.new_group(backend="cuda:gloo")
+    controls = []
+    for _ in range(2):
+        model = torch.nn.Linear(4, 2)
+        model, _ = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
+        controls.append(model._commsched_reducer.control_group)
+        commsched.release(model)
+    assert controls[0] is controls[1], "a second model made a second control group"
+    assert str(dist.get_backend(controls[0])) == "cpu:gloo,cuda:gloo"
+    return "prepared"
+
+
+def side_group_cases(rank: int, world_size: int) -> tuple[str, str, str]:
+    return (train_on_two_of_three(rank, world_size), train_two_models_on_the_default_group(rank, world_size),
+            two_models_on_a_group_without_cpu_backend(rank, world_size))
+
+
+def test_side_groups_on_a_sub_group_and_on_the_default_group(ranks):
+    """A sub-group trains exactly with its own side group; models on one group share it."""
+    assert ranks(side_group_cases, 3, timeout_s=240) == [("trained", "trained", "prepared")] * 2 + [
+        ("outside", "trained", "prepared")]
