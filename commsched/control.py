@@ -46,6 +46,7 @@ after a failure] in commsched/errors.py) and forgotten, so a later
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from collections.abc import Iterable
 
@@ -80,8 +81,10 @@ def control_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 _SIDE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 """Side groups by user group: see [Note: side groups]. An entry goes with its user group (a
-destroyed group, or a job made anew in the same process), so the cache never holds a group
-until the interpreter finalizes (see [Note: process groups at exit] in commsched/reducer.py)."""
+destroyed group, or a job made anew in the same process), and every entry goes at exit, while
+threads can still run: the cache must never be what holds a group until the interpreter
+finalizes (see [Note: process groups at exit] in commsched/reducer.py)."""
+atexit.register(_SIDE_GROUPS.clear)  # after every reducer's own exit handler (registered later)
 
 
 def side_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
