@@ -69,13 +69,14 @@ def build_layout(
     """
     bucket_slots, priorities = bucket_layout(params, forward_order, bucket_size_limits)
     flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
-    buckets = [
-        Bucket(b, [params[s] for s in slots], tail_numel=len(params) if usage_flags and b == flags_bucket else 0)
-        for b, slots in enumerate(bucket_slots)
-    ]
     views: list[torch.Tensor] = [torch.empty(0)] * len(params)
     bucket_of = [0] * len(params)
-    for bucket, slots in zip(buckets, bucket_slots, strict=True):
+    buckets = []
+    for b, slots in enumerate(bucket_slots):
+        # One bucket at a time, its gradients moved in at once: an old bucket whose
+        # gradients have all moved is freed before the next new one is made.
+        bucket = Bucket(b, [params[s] for s in slots], tail_numel=len(params) if usage_flags and b == flags_bucket else 0)
+        buckets.append(bucket)
         for slot, view in zip(slots, bucket.grad_views, strict=True):
             views[slot] = view
             bucket_of[slot] = bucket.index

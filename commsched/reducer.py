@@ -15,6 +15,7 @@ are observers of the events it emits.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import time
 import weakref
@@ -182,6 +183,15 @@ class GradientReducer:
         if self._gates is not None:
             self._gates.remove()
             self._gates = None
+        if self.layout is not None:
+            # Let go of the old buckets first: with the activations of a forward pass
+            # alive, old and new buffers together would raise the peak memory by one
+            # copy of every gradient. (Gradients still in them move bucket by bucket.)
+            # The finished passes that held them are in reference cycles with their
+            # completion callbacks: only a collection frees them (once per layout).
+            self.layout = None
+            self.policy.detach()
+            gc.collect()
         layout = build_layout(
             self.module, self._names, self._params, forward_order, self._used_before_owner,
             strategy.bucket_size_limits_bytes, transport.sums_usage_flags,
@@ -371,6 +381,11 @@ class GradientReducer:
     def _begin_pass(self) -> None:
         """A new synchronised iteration: agree on the plan after warm-up, start a `BackwardPass`."""
         iteration = 0 if self.current is None else self.current.iteration + 1
+        if self.current is not None:
+            # Finished (synchronised): let go of it now, so that buckets laid out anew
+            # below never coexist with the old ones, which it holds.
+            self.previous_figures = self.current.figures
+            self.current = None
         if self._controller is not None:
             self._controller.pass_started(iteration, time.perf_counter())
         new_order = None
@@ -379,8 +394,6 @@ class GradientReducer:
         elif self.tuning is not None and self.tuning.next_switch == iteration:
             new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
-        if self.current is not None:
-            self.previous_figures = self.current.figures
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.strategy.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,

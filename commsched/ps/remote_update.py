@@ -37,6 +37,9 @@ class ServerSideUpdate:
     def attach(self, layout: GradLayout) -> None:
         """The transport's stages (one per bucket) receive the pulled values."""
 
+    def detach(self) -> None:
+        """Nothing of the buckets is kept here."""
+
     def snapshot(self) -> Hyperparameters:
         return hyperparameter_snapshot(self._optimizer, self._kind)
 

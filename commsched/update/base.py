@@ -22,6 +22,9 @@ class UpdatePolicy(Protocol):
     def attach(self, layout: GradLayout) -> None:
         """The buckets exist: prepare the per-bucket update (if any)."""
 
+    def detach(self) -> None:
+        """The buckets are about to be laid out anew: let go of them (until `attach`)."""
+
     @property
     def per_bucket(self) -> bool:
         """True once buckets are updated one by one; False: the optimizer's own

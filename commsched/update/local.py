@@ -41,6 +41,9 @@ class LocalUpdate:
                 layout.bucket_slots, fused=self._fused,
             )
 
+    def detach(self) -> None:
+        self._updater = None
+
     @property
     def per_bucket(self) -> bool:
         return self._updater is not None

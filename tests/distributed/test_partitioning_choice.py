@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import commsched
+from commsched import layout as layout_module
 from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
@@ -86,6 +88,37 @@ def case_accumulation_across_the_change(rank, world_size, micro_steps=2):
     assert_relaid_out(model, rank)
 
 
+def case_old_buckets_go_before_new_ones(rank, world_size):
+    """Peak memory: with no gradient left in them (``zero_grad(set_to_none=True)``), the old
+    buckets are freed before the first new one is made, so the two never coexist while a forward
+    pass's activations are alive (they would add a copy of every gradient to the peak)."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), TINY)
+    old_flats: list[weakref.ref] = []
+    old_alive_at_each_new_bucket: list[int] = []
+
+    class WatchedBucket(layout_module.Bucket):
+        def __init__(self, *args, **kwargs):
+            old_alive_at_each_new_bucket.append(sum(ref() is not None for ref in old_flats))
+            super().__init__(*args, **kwargs)
+
+    original = layout_module.Bucket
+    try:
+        for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 2)):
+            if iteration == WARMUP_ITERATIONS:  # the change comes at this backward pass's first gradient
+                old_flats = [weakref.ref(bucket.flat) for bucket in model._commsched_reducer.layout.buckets]
+                layout_module.Bucket = WatchedBucket
+            local_step(model, optimizer, x, y, iteration, rank, set_to_none=True)
+    finally:
+        layout_module.Bucket = original
+    assert_relaid_out(model, rank)
+    assert old_flats and old_alive_at_each_new_bucket, "the layout did not change"
+    assert max(old_alive_at_each_new_bucket) == 0, (
+        f"old buckets alive while new ones were made: {old_alive_at_each_new_bucket} of {len(old_flats)}")
+    commsched.release(model)
+
+
 def cases_across_the_change(rank: int, world_size: int) -> None:
     cases = {}
     for loop in LOOPS:
@@ -105,6 +138,7 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
                 case_unused_parameters, rank, world_size, optimizer_name, TINY, set_to_none)
     cases["no_sync accumulation across the change"] = functools.partial(
         case_accumulation_across_the_change, rank, world_size)
+    cases["old buckets go before new ones"] = functools.partial(case_old_buckets_go_before_new_ones, rank, world_size)
     run_subtests(cases)
 
 
