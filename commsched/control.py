@@ -80,10 +80,10 @@ def control_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 _SIDE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
-"""Side groups by user group: see [Note: side groups]. An entry goes with its user group (a
-destroyed group, or a job made anew in the same process), and every entry goes at exit, while
-threads can still run: the cache must never be what holds a group until the interpreter
-finalizes (see [Note: process groups at exit] in commsched/reducer.py)."""
+"""Side groups by user group: see [Note: side groups]. An entry goes with its user group, when
+a model lets go of its groups after the user destroyed that group (`forget_destroyed`), and at
+exit, while threads can still run: the cache must never be what holds a group until the
+interpreter finalizes (see [Note: process groups at exit] in commsched/reducer.py)."""
 atexit.register(_SIDE_GROUPS.clear)  # after every reducer's own exit handler (registered later)
 
 
@@ -111,6 +111,19 @@ def side_group_backend(backend: str) -> str:
         return backend
     pairs = backend.split(",") if ":" in backend else [f"{device}:{backend}" for device in sorted(devices)]
     return ",".join(["cpu:gloo", *pairs])
+
+
+def forget_destroyed() -> None:
+    """Drop the side groups of user groups torch no longer knows (``destroy_process_group``).
+
+    Called when a model lets go of its groups: torch keeps a destroyed group's object alive,
+    so the weak key alone would keep its side group, and the side group's threads, running.
+    """
+    for user_group in list(_SIDE_GROUPS):
+        try:
+            dist.get_process_group_ranks(user_group)
+        except (KeyError, ValueError, RuntimeError):
+            del _SIDE_GROUPS[user_group]
 
 
 def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:

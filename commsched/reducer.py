@@ -35,7 +35,7 @@ from commsched.autotune import (
 from commsched.backward_pass import BackwardPass, IterationFigures
 from commsched.completion import CallbackTracker
 from commsched.consistency import broadcast_from, broadcast_from_rank0
-from commsched.control import forget_side_groups, takes_cpu_tensors
+from commsched.control import forget_destroyed, forget_side_groups, takes_cpu_tensors
 from commsched.cost_model import Choice, Setting, Timeline, applied
 from commsched.errors import CommunicationTimeout
 from commsched.events import EventBus
@@ -688,6 +688,7 @@ class GradientReducer:
             self.current.drop_handles()
         self.process_group = self.buffer_group = self.control_group = None  # type: ignore[assignment]
         self.transport.forget_process_groups()
+        forget_destroyed()  # a destroyed group's side group is freed here, like the groups above
         self._events.closed()
 
 
