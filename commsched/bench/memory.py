@@ -18,6 +18,13 @@ so that process's peak cannot be split by system. The method here:
 - Reported: the max over the system's ranks (a parameter-server system's
   servers included), in MiB. Differences between systems are what each
   system costs; the common part is the process with torch loaded.
+- The child first fixes glibc's mmap threshold (`fix_mmap_threshold`). With
+  glibc's defaults, freed memory is kept for reuse (per thread, and below a
+  threshold that rises as large blocks are freed), so a peak depends on the
+  order of allocations as much as on what is alive at once: it moved by tens
+  of MiB between repeats of one system. Fixed, every block from 128 KiB on is
+  mapped by itself and returned when freed, and the peak is what was alive at
+  once (within about a MiB between repeats).
 
 `peak_rss_on_rank` is the measurement in an initialised group (tests call it
 with `commsched.testing.run_ranks`); `peak_rss_in_children` forks the children
@@ -26,6 +33,7 @@ and gathers their figures.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import multiprocessing
 import resource
@@ -47,6 +55,23 @@ RSS_ITERATIONS = WARMUP_ITERATIONS + 2
 by then every system has allocated what it keeps."""
 
 _STORE_PREFIX = "commsched-bench-peak-rss"
+
+
+MMAP_THRESHOLD_BYTES = 128 * 1024
+"""glibc's own initial threshold, kept fixed."""
+
+_M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number, from glibc's malloc.h."""
+
+
+def fix_mmap_threshold() -> bool:
+    """Have glibc map every block from `MMAP_THRESHOLD_BYTES` on by itself, and return it to the
+    system when freed, from now on in this process. False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def own_peak_rss_mib() -> float:
@@ -172,6 +197,7 @@ def _in_child(config: ComparisonConfig, system: System, group: _Group) -> float:
 def _child(config: ComparisonConfig, system: System, group: _Group, send: Connection) -> None:
     """A forked child: join this system's group, measure, report through ``send``."""
     try:
+        fix_mmap_threshold()
         group.join()
         send.send((True, peak_rss_on_rank(group.rank, group.world_size, config, system)))
         dist.destroy_process_group()
