@@ -75,7 +75,8 @@ def build_layout(
     for b, slots in enumerate(bucket_slots):
         # One bucket at a time, its gradients moved in at once: an old bucket whose
         # gradients have all moved is freed before the next new one is made.
-        bucket = Bucket(b, [params[s] for s in slots], tail_numel=len(params) if usage_flags and b == flags_bucket else 0)
+        tail_numel = len(params) if usage_flags and b == flags_bucket else 0
+        bucket = Bucket(b, [params[s] for s in slots], tail_numel=tail_numel)
         buckets.append(bucket)
         for slot, view in zip(slots, bucket.grad_views, strict=True):
             views[slot] = view
