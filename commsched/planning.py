@@ -7,6 +7,7 @@ calibration collectives and the plan broadcast line up.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -39,23 +40,23 @@ class ReadyTimeProfile(Observer):
     An observer of the core's events, recording iterations 1 to
     ``WARMUP_ITERATIONS - 1`` (the first is slow): when each parameter's
     gradient became ready (relative to the start of the backward pass), how long
-    the forward pass before it took, and how long the link took from the first
-    partition issued to the last one completed. The latter, under the real load
-    of training (computation competing with communication for the same cores),
-    is a better, and more cautious, estimate of the link for planning than an
-    idle calibration. Per parameter, not per bucket, so the timeline holds for
-    any bucket layout the cost model considers.
+    the forward pass before it took, and when each partition was issued and
+    when the last one completed. The latter give the link's speed under the real
+    load of training (computation competing with communication for the same
+    cores): see `loaded_bytes_per_s`. Per parameter, not per bucket, so the
+    timeline holds for any bucket layout the cost model considers.
     """
 
     def __init__(self, num_slots: int):
         self._num_slots = num_slots
         self._ready: list[list[float]] = []
         self._forward: list[float] = []
-        self._transfers: list[tuple[int, float]] = []
+        self._transfers: list[tuple[list[tuple[float, int]], float]] = []
+        """Per iteration: (when each partition was issued, its bytes), and when all had completed."""
         self._recording = False
         self._current: list[float] = []
-        self._start = self._first_launch = self._forward_start = 0.0
-        self._bytes = 0
+        self._issued: list[tuple[float, int]] = []
+        self._start = self._forward_start = 0.0
 
     def forward_started(self) -> None:
         self._forward_start = time.perf_counter()
@@ -67,7 +68,7 @@ class ReadyTimeProfile(Observer):
             if self._forward_start:
                 self._forward.append(self._start - self._forward_start)
             self._current = [0.0] * self._num_slots
-            self._first_launch, self._bytes = 0.0, 0
+            self._issued = []
 
     def gradient_ready(self, slot: int) -> None:
         if self._recording:
@@ -75,9 +76,7 @@ class ReadyTimeProfile(Observer):
 
     def partition_issued(self, partition: Partition, handle: Handle) -> None:
         if self._recording:
-            if not self._bytes:
-                self._first_launch = time.perf_counter()
-            self._bytes += partition.nbytes
+            self._issued.append((time.perf_counter() - self._start, partition.nbytes))
 
     def backward_finished(self) -> None:
         """During warm-up, every reduction of the iteration has completed by now."""
@@ -85,8 +84,8 @@ class ReadyTimeProfile(Observer):
             return
         self._recording = False
         self._ready.append(self._current)
-        if self._bytes:
-            self._transfers.append((self._bytes, time.perf_counter() - self._first_launch))
+        if self._issued:
+            self._transfers.append((self._issued, time.perf_counter() - self._start))
 
     def median_slot_ready_s(self) -> list[float]:
         if not self._ready:
@@ -96,11 +95,52 @@ class ReadyTimeProfile(Observer):
     def median_forward_s(self) -> float:
         return statistics.median(self._forward) if self._forward else 0.0
 
-    def loaded_bytes_per_s(self) -> float | None:
-        """Bytes over first-issue-to-last-completion time, median over iterations."""
-        if not self._transfers:
-            return None
-        return statistics.median(nbytes / max(seconds, 1e-9) for nbytes, seconds in self._transfers)
+    def loaded_bytes_per_s(self, latency_s: float) -> float | None:
+        """The link's bandwidth while training, median over the iterations that bound it.
+
+        Per iteration, the bandwidth with which partitions reduced one after the
+        other, each from when it was issued and costing ``latency_s`` besides its
+        bytes, all complete when they were seen complete (`wire_bytes_per_s`).
+        Bytes over the time from the first issue to the last completion would
+        count the link's idle time, waiting for gradients, as transfer: where
+        computation sets the pace that halves the bandwidth, and a plan made
+        for so slow a link holds back partitions that would have fitted.
+        None if no iteration bounds it (their last partition took no longer
+        than a latency).
+        """
+        fitted = [wire_bytes_per_s(issued, done_s, latency_s) for issued, done_s in self._transfers]
+        bounded = [b for b in fitted if b is not None]
+        return statistics.median(bounded) if bounded else None
+
+
+def wire_bytes_per_s(issued: Sequence[tuple[float, int]], done_s: float, latency_s: float) -> float | None:
+    """The bandwidth ``b`` with which reductions issued at ``issued`` (time, bytes),
+    each taking ``latency_s + bytes / b`` one after the other, all finish at ``done_s``.
+
+    The finish time falls as ``b`` grows, so ``b`` is found by bisection on
+    ``1 / b``. None where even an infinite bandwidth would not finish before
+    ``done_s`` (the observation says nothing about the bandwidth).
+    """
+    if not issued:
+        return None
+    in_order = sorted(issued)
+
+    def finish_s(seconds_per_byte: float) -> float:
+        free_at = 0.0
+        for at, nbytes in in_order:
+            free_at = max(free_at, at) + latency_s + nbytes * seconds_per_byte
+        return free_at
+
+    if finish_s(0.0) >= done_s:
+        return None
+    low, high = 0.0, done_s / max(1, sum(nbytes for _, nbytes in in_order))  # finish_s(high) >= done_s
+    for _ in range(60):
+        middle = (low + high) / 2
+        if finish_s(middle) < done_s:
+            low = middle
+        else:
+            high = middle
+    return 1.0 / high
 
 
 def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: frozenset[int]) -> list[float]:
@@ -212,6 +252,26 @@ def link_sets_the_pace(
     return wire_s >= last_ready_s + forward_s
 
 
+def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
+    """The bandwidth plans assume: the one seen while training, never above the idle
+    link's (where measured), times `LINK_SAFETY_FACTOR`; unbounded if neither is known."""
+    bytes_per_s = warmup.loaded_bytes_per_s
+    if warmup.idle_link is not None:
+        bytes_per_s = min(bytes_per_s or math.inf, warmup.idle_link.bytes_per_s)
+    return (bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
+
+
+def plan_order(
+    partitions: Sequence[Partition], bucket_ready: Sequence[float], warmup: WarmupTimeline, credit_bytes: int | None
+) -> list[int]:
+    """Rank 0's plan: priority scheduling simulated on its timeline, hardened by `robust_plan`."""
+    link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=planning_bytes_per_s(warmup))
+    schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
+    last_ready = max(bucket_ready, default=0.0)
+    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, warmup.idle_link)
+    return robust_plan(partitions, schedule, last_ready, pace)
+
+
 def plan_on_rank0(
     partitions: Sequence[Partition],
     bucket_ready: Sequence[float],
@@ -225,18 +285,13 @@ def plan_on_rank0(
     Collective: every rank calls it at the same point; a peer that does not
     raises `CommunicationTimeout` after ``timeout_s``. The link is modelled by
     the measured latency and the bandwidth seen while training
-    (`ReadyTimeProfile.loaded_bytes_per_s`); if the link is
+    (`planning_bytes_per_s`); if the link is
     faster than that, non-urgent partitions merely go a little later, never
     ahead of urgent ones. Where the idle link is slower than the computation
     (`link_sets_the_pace`), the plan keeps the link busy to the end of the
     backward pass instead (see `robust_plan`).
     """
-    bytes_per_s = (warmup.loaded_bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
-    link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=bytes_per_s)
-    schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
-    last_ready = max(bucket_ready, default=0.0)
-    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, warmup.idle_link)
-    plan = torch.tensor(robust_plan(partitions, schedule, last_ready, pace), dtype=torch.int64)
+    plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
@@ -257,7 +312,7 @@ class WarmupTimeline:
 
     @classmethod
     def of(cls, profile: ReadyTimeProfile, latency_s: float, idle_link: LinkModel | None = None) -> WarmupTimeline:
-        return cls(tuple(profile.median_slot_ready_s()), profile.loaded_bytes_per_s(), latency_s,
+        return cls(tuple(profile.median_slot_ready_s()), profile.loaded_bytes_per_s(latency_s), latency_s,
                    profile.median_forward_s(), idle_link)
 
 

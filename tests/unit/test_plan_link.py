@@ -1,0 +1,118 @@
+"""The link a plan assumes: measured from the warm-up's transfers, not from its idle time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsched import planning
+from commsched.planning import ReadyTimeProfile, WarmupTimeline, plan_order, planning_bytes_per_s, wire_bytes_per_s
+from commsched.scheduler import LinkModel, Partition, make_partitions
+
+
+def sequential_finish_s(issued: list[tuple[float, int]], latency_s: float, bytes_per_s: float) -> float:
+    """When reductions issued at ``issued`` finish, one after the other."""
+    free_at = 0.0
+    for at, nbytes in sorted(issued):
+        free_at = max(free_at, at) + latency_s + nbytes / bytes_per_s
+    return free_at
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    issued=st.lists(st.tuples(st.floats(0.0, 0.5), st.integers(1, 8 * 2**20)), min_size=1, max_size=20),
+    latency_s=st.floats(0.0, 0.005),
+    bytes_per_s=st.floats(1e6, 1e10),
+)
+def test_the_fitted_bandwidth_explains_the_observed_finish(issued, latency_s, bytes_per_s):
+    done_s = sequential_finish_s(issued, latency_s, bytes_per_s)
+    fitted = wire_bytes_per_s(issued, done_s, latency_s)
+    if fitted is None:  # the bytes took no measurable time at all
+        assert done_s - sequential_finish_s(issued, latency_s, math.inf) < 1e-12 * max(1.0, done_s)
+    else:
+        assert sequential_finish_s(issued, latency_s, fitted) == pytest.approx(done_s, rel=1e-9, abs=1e-12)
+
+
+def test_idle_time_between_gradients_is_not_counted_as_transfer():
+    # 1 MB when the first gradient is ready, 1 MB 100 ms later, at 100 MB/s: the
+    # link is busy 20 of the 110 ms.
+    issued = [(0.0, 10**6), (0.1, 10**6)]
+    assert wire_bytes_per_s(issued, 0.11, latency_s=0.0) == pytest.approx(1e8)
+
+
+def test_a_finish_that_latency_alone_explains_bounds_nothing():
+    assert wire_bytes_per_s([(0.0, 10**6)], done_s=0.001, latency_s=0.002) is None
+    assert wire_bytes_per_s([], done_s=0.1, latency_s=0.0) is None
+
+
+def test_the_plan_never_assumes_a_link_faster_than_idle():
+    idle = LinkModel(latency_s=0.001, bytes_per_s=1e8)
+    fast = WarmupTimeline((0.0,), loaded_bytes_per_s=5e8, latency_s=0.001, idle_link=idle)
+    slow = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.001, idle_link=idle)
+    unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.001, idle_link=idle)
+    factor = planning.LINK_SAFETY_FACTOR
+    assert planning_bytes_per_s(fast) == pytest.approx(1e8 * factor)
+    assert planning_bytes_per_s(slow) == pytest.approx(5e7 * factor)
+    assert planning_bytes_per_s(unknown) == pytest.approx(1e8 * factor)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# A VGG-like model as the bench measured it at 1 Gbit/s: the classifier's
+# buckets (output side, most bytes) ready early, the convolutions' over the
+# backward pass, the input-side bucket last.
+BUCKET_BYTES = [2 * 1196564, 9 * 1048918, 1327872, 1162752, 88584]
+BUCKET_PRIORITIES = [14, 12, 10, 4, 0]
+BUCKET_READY_S = [0.0026, 0.0137, 0.0496, 0.1415, 0.2218]
+LINK = LinkModel(latency_s=0.0017, bytes_per_s=119.5e6)
+
+
+def warm_up(monkeypatch, partitions: list[Partition]) -> ReadyTimeProfile:
+    """Two profiled warm-up iterations: each partition issued in bucket order once its
+    bucket is ready, as warm-up does, reduced one after the other on ``LINK``."""
+    clock = FakeClock()
+    monkeypatch.setattr(planning.time, "perf_counter", clock)
+    profile = ReadyTimeProfile(num_slots=len(BUCKET_READY_S))
+    start = 0.0
+    for iteration in (1, 2):
+        clock.now = start - 0.1
+        profile.forward_started()
+        clock.now = start
+        profile.iteration_started(iteration)
+        issued = []
+        for partition in partitions:  # bucket order
+            clock.now = start + BUCKET_READY_S[partition.bucket]
+            profile.gradient_ready(partition.bucket)
+            profile.partition_issued(partition, handle=None)
+            issued.append((BUCKET_READY_S[partition.bucket], partition.nbytes))
+        clock.now = start + sequential_finish_s(issued, LINK.latency_s, LINK.bytes_per_s)
+        profile.backward_finished()
+        start = clock.now + 1.0
+    return profile
+
+
+def test_a_computation_paced_plan_sends_early_gradients_before_the_backward_pass_ends(monkeypatch):
+    """Warm-up's link is idle most of the backward pass, waiting for gradients. Taken
+    for transfer time, that idle time made the plan assume a link three times slower
+    than it is, and hold early buckets' partitions behind the last bucket, until the
+    backward pass ended, while the link idled."""
+    sizes = [4] * len(BUCKET_BYTES)
+    partitions = make_partitions([b // 4 for b in BUCKET_BYTES], sizes, BUCKET_PRIORITIES, 2**20)
+    profile = warm_up(monkeypatch, partitions)
+    warmup = WarmupTimeline.of(profile, LINK.latency_s, idle_link=LINK)
+    assert warmup.loaded_bytes_per_s == pytest.approx(LINK.bytes_per_s, rel=1e-6)
+
+    order = plan_order(partitions, BUCKET_READY_S, warmup, credit_bytes=4 * 2**20)
+    position = {pid: index for index, pid in enumerate(order)}
+    last_bucket = [p.pid for p in partitions if p.bucket == len(BUCKET_BYTES) - 1]
+    early_buckets = [p.pid for p in partitions if BUCKET_READY_S[p.bucket] < 0.05]
+    assert max(position[pid] for pid in early_buckets) < min(position[pid] for pid in last_bucket), order
