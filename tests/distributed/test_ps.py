@@ -362,16 +362,16 @@ def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
     import tempfile
 
     workers = world_size - servers
-    directory = tempfile.mkdtemp(prefix="commsched-ps-trace-")
-    model, optimizer, _, _ = fresh_pair("sgd")
-    if prepare_or_serve(model, optimizer, servers, partition_mb=0.0005, trace_dir=directory) is None:
-        return
-    try:
-        _train(model, optimizer, rank, workers, list(enumerate(batches(workers, iterations=5))))
-        blocks = commsched.status(model).partitions
-    finally:
-        finish(model)  # writes the trace
-    events = json.loads((Path(directory) / f"rank{rank}.json").read_text())["traceEvents"]
+    with tempfile.TemporaryDirectory(prefix="commsched-ps-trace-") as directory:
+        model, optimizer, _, _ = fresh_pair("sgd")
+        if prepare_or_serve(model, optimizer, servers, partition_mb=0.0005, trace_dir=directory) is None:
+            return
+        try:
+            _train(model, optimizer, rank, workers, list(enumerate(batches(workers, iterations=5))))
+            blocks = commsched.status(model).partitions
+        finally:
+            finish(model)  # writes the trace
+        events = json.loads((Path(directory) / f"rank{rank}.json").read_text())["traceEvents"]
     notes = [e for e in events if e.get("ph") == "i" and e["name"] == "layout"]
     assert len(notes) == 1 and "most loaded / mean" in notes[0]["args"]["summary"]
     wire = [e for e in events if e.get("tid") == "wire" and e["ph"] == "X"]
