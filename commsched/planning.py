@@ -1,8 +1,9 @@
 """Rank 0 measures its timeline and the link, plans the order, and publishes it.
 
 See [Note: the agreed order] in `commsched.scheduler`. Everything here runs at
-one agreed point (the start of a given backward pass), on every rank, so the
-calibration collectives and the plan broadcast line up.
+agreed points, on every rank, so that the collectives line up: the calibration
+at the end of warm-up's last profiled backward pass, the choice and the plan at
+the start of the next one.
 """
 
 from __future__ import annotations
@@ -196,29 +197,55 @@ def measure_link(
     return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The link, measured idle once per model: see `calibrate`."""
+
+    latency_s: float
+    """A one-element all-reduce's time, as this rank measured it."""
+    link: LinkModel | None = None
+    """An all-reduce's cost by size (None where the cost model does not run)."""
+    transport_cpu_share: float = 0.0
+    """See `Timeline.transport_cpu_share`."""
+
+
+def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool) -> Calibration:
+    """Time the link on ``group`` with tensors on the gradients' device. Collective.
+
+    Runs where memory is lowest, at the end of warm-up's last profiled backward
+    pass: every reduction is complete and the activations are freed. Its
+    all-reduces of up to `CALIBRATION_BYTES` would otherwise add to the peak
+    of a backward pass, with every activation alive.
+    """
+    device = layout.buckets[0].flat.device
+    latency_s = measure_latency(group, device, timeout_s)
+    if not with_link:
+        return Calibration(latency_s)
+    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s)
+    return Calibration(latency_s, link, cpu_share)
+
+
 def choose_on_rank0(
     layout: GradLayout,
     profile: ReadyTimeProfile,
+    calibration: Calibration,
     strategy: Strategy,
-    group: dist.ProcessGroup,
     control_group: dist.ProcessGroup,
-) -> tuple[Choice, float, Timeline | None]:
+) -> tuple[Choice, Timeline | None]:
     """Rank 0 runs the cost model; every rank gets its setting. See [Note: the cost model].
 
-    Collective. The link is measured on ``group`` with tensors on the
-    gradients' device; the choice goes out on ``control_group``. Returns rank
-    0's `Choice` (on other ranks, its setting only), a one-element
-    all-reduce's time as this rank measured it (for the plan), and on rank 0
-    the timeline the cost model saw (None elsewhere).
+    Collective: the choice goes out on ``control_group``. ``calibration`` must
+    hold the link (`calibrate` with ``with_link``). Returns rank 0's `Choice`
+    (on other ranks, its setting only), and on rank 0 the timeline the cost
+    model saw (None elsewhere).
     """
-    device = layout.buckets[0].flat.device
-    latency_s = measure_latency(group, device, strategy.timeout_s)
-    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s,
-                                   strategy.timeout_s)
+    if calibration.link is None:
+        raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
     choice = timeline = None
     message = torch.zeros(2, dtype=torch.float64)
-    if dist.get_rank(group) == 0:
-        timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), link, cpu_share)
+    if dist.get_rank(control_group) == 0:
+        timeline = Timeline(tuple(profile.median_slot_ready_s()), profile.median_forward_s(), calibration.link,
+                            calibration.transport_cpu_share)
         choice = choose(strategy, layout.params, layout.forward_order, timeline)
         message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
                                dtype=torch.float64)
@@ -227,7 +254,7 @@ def choose_on_rank0(
         wait_or_raise(work, strategy.timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
         choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())
-    return choice, latency_s, timeline
+    return choice, timeline
 
 
 def _encode_mb(value: float | None) -> float:

@@ -50,7 +50,7 @@ from commsched.layout import GradLayout, build_layout
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
 from commsched.planning import (
-    ReadyTimeProfile, WarmupTimeline, agree_on_decision, bucket_ready_s, choose_on_rank0, measure_latency,
+    Calibration, ReadyTimeProfile, WarmupTimeline, agree_on_decision, bucket_ready_s, calibrate, choose_on_rank0,
     plan_on_rank0,
 )
 from commsched.reads import ParameterReads
@@ -135,6 +135,8 @@ class GradientReducer:
         self._events = EventBus()
         self._tracker = CallbackTracker()
         self._profile: ReadyTimeProfile | None = None
+        self._calibration: Calibration | None = None
+        """The link, measured at the end of warm-up's last profiled pass (`_calibrate_after`)."""
         self._first_forward: FirstForward | None = None
         self._gates: ForwardGates | None = None
         self._reads: ParameterReads | None = None
@@ -212,14 +214,13 @@ class GradientReducer:
         if profile is not None:
             started = time.perf_counter()
             strategy, group, control = self.strategy, self.process_group, self.control_group
-            device = self._params[0].device
             with self._peer_failures_explained():
+                calibration = self._calibration or calibrate(self.layout, group, strategy.timeout_s, self.adapts)
+                self._calibration = None
                 if self.adapts:
-                    self.choice, latency_s, timeline = choose_on_rank0(self.layout, profile, strategy, group, control)
+                    self.choice, timeline = choose_on_rank0(self.layout, profile, calibration, strategy, control)
                     self._use_partitioning(self.choice.setting)
-                else:
-                    latency_s = measure_latency(group, device, strategy.timeout_s)
-                self._warmup = WarmupTimeline.of(profile, latency_s, timeline.link if timeline else None)
+                self._warmup = WarmupTimeline.of(profile, calibration.latency_s, timeline.link if timeline else None)
                 self.plan = self._agree_on_plan()
             self._events.unsubscribe(profile)
             self._profile = None
@@ -232,6 +233,15 @@ class GradientReducer:
         if self.tuning is not None and self._warmup is not None:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS, timeline) or new_order
         return new_order
+
+    def _calibrate_after(self, finished: BackwardPass) -> None:
+        """At the end of warm-up's last profiled pass, its reductions complete: time the link
+        for the plan (and the cost model), while memory is lowest (see `calibrate`). Collective:
+        every rank ends that pass, a rank out of batches in `shadow_iteration`."""
+        if self._profile is None or finished.iteration != WARMUP_ITERATIONS - 1:
+            return
+        with self._peer_failures_explained():
+            self._calibration = calibrate(self.layout, self.process_group, self.strategy.timeout_s, self.adapts)
 
     def _agree_on_plan(self) -> Plan:
         """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
@@ -421,6 +431,7 @@ class GradientReducer:
         if not current.overlapping:
             current.complete_all()
         self._events.backward_finished()
+        self._calibrate_after(current)
 
     # ----------------------------------------------------------------- forward
     def _before_forward(self, module: torch.nn.Module, args: object) -> None:
@@ -498,6 +509,7 @@ class GradientReducer:
             current.end_backward(without_gradients=True)
             self._events.backward_finished()
             current.complete_all()
+            self._calibrate_after(current)
         finally:
             self._phase = Phase.IDLE
 

@@ -23,6 +23,12 @@ def batch_counts(world_size: int) -> list[int]:
     return [8 - 2 * rank for rank in range(world_size)]
 
 
+def out_during_warmup(world_size: int) -> list[int]:
+    """The last rank runs out after two batches: it shadows warm-up's last profiled
+    iteration, which ends with the link's calibration, and the plan's agreement."""
+    return [*batch_counts(world_size)[:-1], 2]
+
+
 def batches_of(rank: int, count: int, shape: tuple[int, ...], classes: int | None):
     generator = torch.Generator().manual_seed(100 + rank)
     for _ in range(count):
@@ -37,16 +43,17 @@ def loss_of(model, x, y, classes):
     return F.cross_entropy(out, y) if classes else F.mse_loss(out, y)
 
 
-def train_under_join(model, optimizer, rank, world_size, shape, classes):
+def train_under_join(model, optimizer, rank, count, shape, classes):
     with Join([model]):
-        for x, y in batches_of(rank, batch_counts(world_size)[rank], shape, classes):
+        for x, y in batches_of(rank, count, shape, classes):
             loss_of(model, x, y, classes).backward()
             optimizer.step()
             optimizer.zero_grad()
 
 
-def case_same_as_ddp(rank, world_size, strategy, model_kind):
+def case_same_as_ddp(rank, world_size, strategy, model_kind, counts=batch_counts):
     def case() -> None:
+        count = counts(world_size)[rank]
         torch.manual_seed(0)
         if model_kind == "batchnorm":
             model, shape, classes = BatchNormNet(), (1, 6, 6), 3
@@ -56,10 +63,10 @@ def case_same_as_ddp(rank, world_size, strategy, model_kind):
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model, optimizer = commsched.prepare(model, optimizer, strategy)
-        train_under_join(model, optimizer, rank, world_size, shape, classes)
+        train_under_join(model, optimizer, rank, count, shape, classes)
         optimizer.synchronize()
         with Join([reference]):
-            for x, y in batches_of(rank, batch_counts(world_size)[rank], shape, classes):
+            for x, y in batches_of(rank, count, shape, classes):
                 loss_of(reference, x, y, classes).backward()
                 reference_optimizer.step()
                 reference_optimizer.zero_grad()
@@ -94,6 +101,8 @@ def uneven_inputs(rank: int, world_size: int) -> None:
                                                                overlap_forward=False, fuse_optimizer=False))):
         for model_kind in ("parity", "batchnorm"):
             cases[f"{label} {model_kind}"] = case_same_as_ddp(rank, world_size, strategy, model_kind)
+    cases["default parity, out of batches during warm-up"] = case_same_as_ddp(
+        rank, world_size, commsched.Strategy(), "parity", out_during_warmup)
     cases["throw_on_early_termination"] = case_early_termination_raises_everywhere(rank, world_size)
     run_subtests(cases)
 

@@ -162,7 +162,7 @@ def test_misuse_raises_on_every_rank(ranks):
 HANG_POINTS = {
     0: r"agreement on the parameter order .* within 2 s",  # the first forward pass
     1: r"all-reduce of gradient bucket \d+ .* within 2 s",
-    3: r"latency measurement before agreeing on a plan .* within 2 s",  # the plan's collectives
+    3: r"broadcast of rank 0's choice of partitions .* within 2 s",  # the plan's collectives
 }
 
 

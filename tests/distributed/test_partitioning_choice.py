@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import commsched
 from commsched import layout as layout_module
+from commsched import planning
 from commsched.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
@@ -119,6 +120,34 @@ def case_old_buckets_go_before_new_ones(rank, world_size):
     commsched.release(model)
 
 
+def case_link_measured_without_activations(rank, world_size):
+    """Peak memory: the cost model's calibration (all-reduces of up to 8 MiB) runs when no
+    forward pass's activations are alive. At the first gradient of the next backward pass,
+    as it once did, every activation was, and the calibration added to the peak."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    activations: list[weakref.ref] = []
+    alive_at_calibration: list[int] = []
+    # A Tanh output: saved for the backward pass, by the Tanh and by the next Linear.
+    model.blocks[1].register_forward_hook(lambda module, args, output: activations.append(weakref.ref(output)))
+    measure_link = planning.measure_link
+
+    def watched_measure_link(*args, **kwargs):
+        alive_at_calibration.append(sum(ref() is not None for ref in activations))
+        return measure_link(*args, **kwargs)
+
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), TINY)
+    planning.measure_link = watched_measure_link
+    try:
+        for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 2)):
+            local_step(model, optimizer, x, y, iteration, rank)
+    finally:
+        planning.measure_link = measure_link
+    assert_relaid_out(model, rank)
+    assert alive_at_calibration == [0], alive_at_calibration
+    commsched.release(model)
+
+
 def cases_across_the_change(rank: int, world_size: int) -> None:
     cases = {}
     for loop in LOOPS:
@@ -139,6 +168,8 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
     cases["no_sync accumulation across the change"] = functools.partial(
         case_accumulation_across_the_change, rank, world_size)
     cases["old buckets go before new ones"] = functools.partial(case_old_buckets_go_before_new_ones, rank, world_size)
+    cases["link measured without activations"] = functools.partial(
+        case_link_measured_without_activations, rank, world_size)
     run_subtests(cases)
 
 
