@@ -9,6 +9,7 @@ teacher, so the loss really falls and no download is needed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,6 +154,37 @@ class Workload:
             else:
                 x = torch.randn(batch_size, *self.input_shape, generator=generator)
             yield x, label(x)
+
+
+@functools.cache
+def input_layer_share(workload_name: str) -> float:
+    """The share of the gradient bytes held by the first layer the forward pass runs.
+
+    That layer's gradient is the last the backward pass produces and the first
+    the next forward pass needs: its reduction can hide behind no computation
+    (but the optimizer's step), whatever the schedule. A lower bound on an
+    iteration is then compute plus this share of an all-reduce of every gradient.
+    """
+    workload = WORKLOADS[workload_name]
+    model = workload.build()
+    first: list[nn.Module] = []
+
+    def note(module: nn.Module, args: object) -> None:
+        if not first and module is not model and any(p.requires_grad for p in module.parameters(recurse=False)):
+            first.append(module)
+
+    handles = [module.register_forward_pre_hook(note) for module in model.modules()]
+    try:
+        with torch.no_grad():
+            model(next(workload.batches(2))[0])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+    return nbytes(first[0].parameters(recurse=False)) / nbytes(model.parameters()) if first else 0.0
 
 
 def wide_mlp() -> DemoNet:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from commsched.bench.models import input_layer_share
 from commsched.bench.systems import Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, scheduling_off
 
 
@@ -98,6 +99,8 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
     allreduce = [statistics.median(r["allreduce"]["iteration_times_s"]) for r in runs]
     allreduce_cpu = [statistics.median(r["allreduce"]["cpu_times_s"]) for r in runs]
     bounds = [max(c, a) for c, a in zip(compute, allreduce)]
+    share = input_layer_share(cell.model)
+    input_layer_bounds = [max(b, c + a * share) for b, c, a in zip(bounds, compute, allreduce)]
     ddp_names = [system.name for system in chosen if isinstance(system, TorchDDP)]
     ddp_means = {n: [statistics.fmean(r["systems"][n]["iteration_times_s"]) for r in runs] for n in ddp_names}
     best_ddp = [min(means[i] for means in ddp_means.values()) for i in range(len(runs))]
@@ -140,6 +143,9 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
         "speedup_vs_best_ddp": statistics.median(d / o for d, o in zip(best_ddp, ours)),
         "efficiency": statistics.median(b / o for b, o in zip(bounds, ours)),
         "ddp_efficiency": statistics.median(b / d for b, d in zip(bounds, ddp)),
+        "input_layer_ms": statistics.median(allreduce) * share * 1e3,
+        "input_layer_bound_ms": statistics.median(input_layer_bounds) * 1e3,
+        "input_layer_efficiency": statistics.median(b / o for b, o in zip(input_layer_bounds, ours)),
         "repeats": len(runs),
         **_fsdp2(runs, chosen, ours),
         **_figures(runs, ours_name),
@@ -183,6 +189,10 @@ def breakdown_line(row: dict) -> str | None:
     line = (f"{row['model']} {row['hosts']} hosts {row['rate_gbit']:g} Gbit/s: {round(split.total)} ms = "
             f"compute {round(split.compute)} + exposed communication {round(split.exposed)} "
             f"+ updates {round(split.updates)} + other {round(split.other)} (dispatch, contention)")
+    if "input_layer_bound_ms" in row and row["input_layer_bound_ms"] >= row["bound_ms"] + 1.0:
+        line += (f"; the input layer's reduction ({round(row['input_layer_ms'])} ms) hides behind no computation, "
+                 f"so no schedule beats {round(row['input_layer_bound_ms'])} ms "
+                 f"(efficiency against that: {row['input_layer_efficiency']:.2f})")
     if row.get("commsched_partitioning"):
         line += f"; partitioning: {row['commsched_partitioning']}"
     return line

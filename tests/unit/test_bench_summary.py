@@ -83,3 +83,27 @@ def test_systems_round_trip_through_json():
     assert decoded[-3].strategy.backend == ParameterServer(num_servers=3, mode="async", max_staleness=2)
     assert decoded[-2] == TorchDDP(0.5, static_graph=False, gradient_as_bucket_view=True)
     assert decoded[-1].reshard_after_forward is True
+
+
+def test_the_input_layers_reduction_raises_the_bound_where_it_hides_behind_nothing():
+    """The Transformer-like's embedding is its first layer and last gradient: at 1 Gbit/s its
+    reduction alone takes longer than the gap between compute and a whole all-reduce."""
+    from commsched.bench.models import TransformerLike, input_layer_share
+
+    model = TransformerLike()
+    share = model.embedding.weight.numel() / sum(p.numel() for p in model.parameters())
+    assert input_layer_share("transformer-like") == pytest.approx(share)
+    assert input_layer_share("vgg-like") < 0.001  # a first convolution: nothing to speak of
+
+    slow = run(0.228, 0.175, 0.39, 0.34, 0.4, 0.35)
+    slow["systems"][OURS.name] |= {"exposed_wait_s": [0.1] * 3, "update_s": [0.003] * 3}
+    row = summarize(Cell("transformer-like", 1.0, 2, 16), [slow], SYSTEMS)
+    assert row["bound_ms"] == pytest.approx(228)
+    assert row["input_layer_ms"] == pytest.approx(175 * share)
+    assert row["input_layer_bound_ms"] == pytest.approx(228 + 175 * share)
+    assert row["input_layer_efficiency"] == pytest.approx((0.228 + 0.175 * share) / 0.35)
+    assert "no schedule beats" in markdown([row])
+
+    fast_compute = run(0.1, 0.4, 0.6, 0.5, 0.55, 0.45)  # the whole all-reduce is the bound
+    row = summarize(Cell("transformer-like", 0.25, 2, 16), [fast_compute], SYSTEMS)
+    assert row["input_layer_bound_ms"] == pytest.approx(row["bound_ms"])
