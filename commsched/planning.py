@@ -266,17 +266,34 @@ def _decode_mb(value: torch.Tensor) -> float | None:
 
 
 def link_sets_the_pace(
-    partitions: Sequence[Partition], last_ready_s: float, forward_s: float, idle_link: LinkModel | None
+    partitions: Sequence[Partition], last_ready_s: float, forward_s: float, link: LinkModel | None
 ) -> bool:
-    """Whether reducing every partition on the idle link takes at least as long as the
+    """Whether reducing every partition on ``link`` takes at least as long as the
     computation of an iteration (the backward pass so far and the forward pass).
 
-    False without an idle measurement: the cautious plan (see `robust_plan`).
+    False without a measured link: the cautious plan (see `robust_plan`).
     """
-    if idle_link is None:
+    if link is None:
         return False
-    wire_s = sum(idle_link.duration_s(p.nbytes) for p in partitions)
+    wire_s = sum(link.duration_s(p.nbytes) for p in partitions)
     return wire_s >= last_ready_s + forward_s
+
+
+def pacing_link(warmup: WarmupTimeline) -> LinkModel | None:
+    """The link `link_sets_the_pace` judges by: idle, where the cost model measured it;
+    otherwise as warm-up saw it (`ReadyTimeProfile.loaded_bytes_per_s`).
+
+    Without the cost model (``Strategy(adaptive=False)``, parameter servers) the
+    warm-up's fit is all there is. For parameter servers it is the right
+    measure anyway: a block's "transfer" is its push, the other workers'
+    pushes and its pull through the busiest server's link, which no
+    all-reduce on an idle link measures.
+    """
+    if warmup.idle_link is not None:
+        return warmup.idle_link
+    if warmup.loaded_bytes_per_s is None:
+        return None
+    return LinkModel(latency_s=warmup.latency_s, bytes_per_s=warmup.loaded_bytes_per_s)
 
 
 def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
@@ -295,7 +312,7 @@ def plan_order(
     link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=planning_bytes_per_s(warmup))
     schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
     last_ready = max(bucket_ready, default=0.0)
-    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, warmup.idle_link)
+    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, pacing_link(warmup))
     return robust_plan(partitions, schedule, last_ready, pace)
 
 
@@ -314,8 +331,8 @@ def plan_on_rank0(
     the measured latency and the bandwidth seen while training
     (`planning_bytes_per_s`); if the link is
     faster than that, non-urgent partitions merely go a little later, never
-    ahead of urgent ones. Where the idle link is slower than the computation
-    (`link_sets_the_pace`), the plan keeps the link busy to the end of the
+    ahead of urgent ones. Where the link is slower than the computation
+    (`link_sets_the_pace` on `pacing_link`), the plan keeps the link busy to the end of the
     backward pass instead (see `robust_plan`).
     """
     plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes), dtype=torch.int64)

@@ -76,25 +76,28 @@ BUCKET_READY_S = [0.0026, 0.0137, 0.0496, 0.1415, 0.2218]
 LINK = LinkModel(latency_s=0.0017, bytes_per_s=119.5e6)
 
 
-def warm_up(monkeypatch, partitions: list[Partition]) -> ReadyTimeProfile:
+def warm_up(
+    monkeypatch, partitions: list[Partition], ready_s: list[float] = BUCKET_READY_S, link: LinkModel = LINK,
+    forward_s: float = 0.1,
+) -> ReadyTimeProfile:
     """Two profiled warm-up iterations: each partition issued in bucket order once its
-    bucket is ready, as warm-up does, reduced one after the other on ``LINK``."""
+    bucket is ready, as warm-up does, reduced one after the other on ``link``."""
     clock = FakeClock()
     monkeypatch.setattr(planning.time, "perf_counter", clock)
     profile = ReadyTimeProfile(num_slots=len(BUCKET_READY_S))
     start = 0.0
     for iteration in (1, 2):
-        clock.now = start - 0.1
+        clock.now = start - forward_s
         profile.forward_started()
         clock.now = start
         profile.iteration_started(iteration)
         issued = []
         for partition in partitions:  # bucket order
-            clock.now = start + BUCKET_READY_S[partition.bucket]
+            clock.now = start + ready_s[partition.bucket]
             profile.gradient_ready(partition.bucket)
             profile.partition_issued(partition, handle=None)
-            issued.append((BUCKET_READY_S[partition.bucket], partition.nbytes))
-        clock.now = start + sequential_finish_s(issued, LINK.latency_s, LINK.bytes_per_s)
+            issued.append((ready_s[partition.bucket], partition.nbytes))
+        clock.now = start + sequential_finish_s(issued, link.latency_s, link.bytes_per_s)
         profile.backward_finished()
         start = clock.now + 1.0
     return profile
@@ -116,3 +119,40 @@ def test_a_computation_paced_plan_sends_early_gradients_before_the_backward_pass
     last_bucket = [p.pid for p in partitions if p.bucket == len(BUCKET_BYTES) - 1]
     early_buckets = [p.pid for p in partitions if BUCKET_READY_S[p.bucket] < 0.05]
     assert max(position[pid] for pid in early_buckets) < min(position[pid] for pid in last_bucket), order
+
+
+def positions(order: list[int]) -> dict[int, int]:
+    return {pid: index for index, pid in enumerate(order)}
+
+
+def test_without_an_idle_measurement_a_slow_link_is_kept_busy_during_the_backward_pass(monkeypatch):
+    """Parameter servers (and ``adaptive=False``) have no idle measurement of the link.
+    The ResNet-like on one server at 0.25 Gbit/s: a block's round trip (both workers'
+    pushes through the server's link, then the pulls) runs at about 11 MB/s, so the
+    blocks take four times the computation. The cautious plan held every block behind
+    the input-side bucket, ready last: the link idled through the backward pass, every
+    block then went at once, and the next forward pass waited for all of them."""
+    bucket_bytes = [1186856, 1181696, 1068544, 1183744, 717632]
+    ready_s = [0.004, 0.007, 0.012, 0.025, 0.064]
+    round_trip = LinkModel(latency_s=0.002, bytes_per_s=11e6)
+    partitions = make_partitions([b // 4 for b in bucket_bytes], [4] * 5, [4, 3, 2, 1, 0], 2**20)
+    profile = warm_up(monkeypatch, partitions, ready_s, round_trip, forward_s=0.04)
+    warmup = WarmupTimeline.of(profile, round_trip.latency_s)  # no idle link
+    assert warmup.idle_link is None
+    assert warmup.loaded_bytes_per_s == pytest.approx(round_trip.bytes_per_s, rel=1e-6)
+
+    order = plan_order(partitions, ready_s, warmup, credit_bytes=4 * 2**20)
+    position = positions(order)
+    last_bucket = [p.pid for p in partitions if p.bucket == 4]
+    first_ready = [p.pid for p in partitions if p.bucket == 0]
+    assert max(position[pid] for pid in first_ready) < min(position[pid] for pid in last_bucket), order
+
+
+def test_the_pace_is_judged_on_the_idle_link_where_measured():
+    idle = LinkModel(latency_s=0.001, bytes_per_s=1e8)
+    measured = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002, idle_link=idle)
+    warm_up_only = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002)
+    unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.002)
+    assert planning.pacing_link(measured) == idle
+    assert planning.pacing_link(warm_up_only) == LinkModel(latency_s=0.002, bytes_per_s=5e7)
+    assert planning.pacing_link(unknown) is None

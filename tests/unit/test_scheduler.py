@@ -130,12 +130,12 @@ def test_robust_plan_keeps_a_pace_setting_link_busy_until_the_backward_pass_ends
     assert cautious[len(started_before_end) - 1] == 4
 
 
-def test_the_link_sets_the_pace_when_its_idle_time_exceeds_the_computation():
+def test_the_link_sets_the_pace_when_its_time_exceeds_the_computation():
     partitions = two_buckets()  # 500 bytes in 5 partitions
     slow = LinkModel(latency_s=0.1, bytes_per_s=100.0)  # 5 x 1.1 s
-    assert link_sets_the_pace(partitions, last_ready_s=3.0, forward_s=2.0, idle_link=slow)
-    assert not link_sets_the_pace(partitions, last_ready_s=4.0, forward_s=2.0, idle_link=slow)
-    assert not link_sets_the_pace(partitions, last_ready_s=0.1, forward_s=0.1, idle_link=None)  # unmeasured: cautious
+    assert link_sets_the_pace(partitions, last_ready_s=3.0, forward_s=2.0, link=slow)
+    assert not link_sets_the_pace(partitions, last_ready_s=4.0, forward_s=2.0, link=slow)
+    assert not link_sets_the_pace(partitions, last_ready_s=0.1, forward_s=0.1, link=None)  # unmeasured: cautious
 
 
 class FakeLink:
