@@ -62,15 +62,22 @@ QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "it
 cores). Options given on the command line win (``--quick --hosts 4``)."""
 
 
+PS_TRACE_SUBDIR = "parameter-servers"
+"""Where, under the bench's ``--trace`` directory, the parameter-server system writes its trace
+(both systems write one ``rank<N>.json`` per worker)."""
+
+
 def lineup(trace_dir: str | None = None, ps_servers: int = 0) -> tuple[System, ...]:
-    """The systems every cell trains; ``trace_dir`` traces the default commsched system."""
+    """The systems every cell trains; ``trace_dir`` traces the default commsched system, and the
+    parameter-server one into its `PS_TRACE_SUBDIR`."""
     chosen: list[System] = [
         ComputeOnly(), TorchDDP(), *(TorchDDP(cap) for cap in DDP_SWEEP_MB),
         *(TorchDDP(cap, static_graph=True, gradient_as_bucket_view=True) for cap in DDP_STATIC_MB),
         TorchFSDP2(), Commsched(UNSCHEDULED, "scheduling off"), Commsched(Strategy(trace_dir=trace_dir)),
     ]
     if ps_servers:
-        chosen.append(Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers))))
+        ps_trace = None if trace_dir is None else str(Path(trace_dir) / PS_TRACE_SUBDIR)
+        chosen.append(Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers), trace_dir=ps_trace)))
     return tuple(chosen)
 
 
@@ -246,8 +253,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
     parser.add_argument("--trace", type=Path, metavar="DIR",
-                        help="trace the commsched system into DIR (for `commsched trace-report`; "
-                             "tracing adds hooks, so its times are for diagnosis, not for the table)")
+                        help="trace the commsched system into DIR, the parameter-server one into "
+                             f"DIR/{PS_TRACE_SUBDIR} (for `commsched trace-report`; tracing adds hooks, so "
+                             "its times are for diagnosis, not for the table)")
     return parser
 
 

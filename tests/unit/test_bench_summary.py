@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from commsched.bench.grid import lineup
+from commsched.bench.grid import PS_TRACE_SUBDIR, lineup
 from commsched.bench.results import Cell, markdown, plot, summarize
 from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import ParameterServer, Strategy
@@ -71,6 +71,14 @@ def test_display_names():
     assert TorchDDP(25, static_graph=True).name == "torch DDP, bucket_cap_mb=25, static graph"
     assert TorchFSDP2(reshard_after_forward=True).name == "torch FSDP2, reshard after forward"
     assert Commsched(Strategy(backend=ParameterServer())).name == "commsched PS, 1 server"
+
+
+def test_trace_goes_to_the_all_reduce_and_parameter_server_systems_apart():
+    traced = {s.name: s.strategy.trace_dir for s in lineup(trace_dir="/tmp/trace", ps_servers=1)
+              if isinstance(s, Commsched)}
+    assert traced == {"commsched, scheduling off": None, "commsched": "/tmp/trace",
+                      "commsched PS, 1 server": f"/tmp/trace/{PS_TRACE_SUBDIR}"}
+    assert all(s.strategy.trace_dir is None for s in lineup(ps_servers=1) if isinstance(s, Commsched))
 
 
 def test_systems_round_trip_through_json():
