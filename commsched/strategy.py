@@ -62,8 +62,20 @@ class ParameterServer:
     only when the others catch up, so its next forward pass waits (stale
     synchronous parallel). None: unbounded, the staleness is only reported."""
 
+    block_mb: float | None = 0.5
+    """Largest block, in MiB: the unit a worker pushes and pulls and a server
+    updates. Partitions (`Strategy.partition_mb`) larger than this are cut to it,
+    and buckets are capped at it. A block's round trip (every worker's push, the
+    update, the pulls) is serial, so smaller blocks let one block's pull overlap
+    the next one's push, and the next forward pass waits less for the first block
+    and for the last; each block costs a message and an update on the server,
+    though, which competes for CPU where computation sets the pace (see
+    docs/parameter_server.md for the measurements behind the default). ``None``:
+    blocks as large as the partitions. From 256 bytes to 1 TiB."""
+
     def __post_init__(self) -> None:
         _check_servers("ParameterServer.num_servers", self.num_servers)
+        _check_in_range("block_mb", self.block_mb, _PARTITION_MB, optional=True, owner="ParameterServer")
         _check_choice("ParameterServer.mode", self.mode, ("sync", "async"))
         _check_staleness("ParameterServer.max_staleness", self.max_staleness)
         if self.max_staleness is not None and self.mode != "async":
@@ -287,9 +299,11 @@ class Strategy:
         With partitions, a bucket is also the unit of update and of gating, so it
         is capped at the partition size: small tensors still travel together,
         large ones get a bucket of their own and are cut, and an urgent layer is
-        never held back by a large, late one sharing its bucket.
+        never held back by a large, late one sharing its bucket. The same holds for
+        a parameter server's blocks (`ParameterServer.block_mb`).
         """
-        cap_mb = self.bucket_cap_mb if self.partition_mb is None else min(self.bucket_cap_mb, self.partition_mb)
+        unit_mb = [mb for mb in (self.partition_mb, self._block_mb) if mb is not None]
+        cap_mb = min([self.bucket_cap_mb, *unit_mb])
         first_mb = min(self.first_bucket_mb, cap_mb)
         return [int(first_mb * MIB), int(cap_mb * MIB)]
 
@@ -299,8 +313,15 @@ class Strategy:
 
     @property
     def ps_block_bytes(self) -> int:
-        """Target size of a parameter-server block: a partition, or a whole bucket without partitions."""
-        return self.partition_bytes or int(self.bucket_cap_mb * MIB)
+        """Target size of a parameter-server block: a partition (a whole bucket without
+        partitions), cut to ``ParameterServer.block_mb``."""
+        unit = self.partition_bytes or int(self.bucket_cap_mb * MIB)
+        return unit if self._block_mb is None else min(unit, max(1, int(self._block_mb * MIB)))
+
+    @property
+    def _block_mb(self) -> float | None:
+        """The parameter-server backend's largest block (None with all-reduce or no limit)."""
+        return self.backend.block_mb if isinstance(self.backend, ParameterServer) else None
 
     @property
     def credit_bytes(self) -> int | None:
@@ -365,21 +386,23 @@ _PARTITION_MB = _Range(MIN_PARTITION_MB, MAX_SIZE_MB, f"{MIN_PARTITION_MB!r} to 
 _TIMEOUT_S = _Range(MIN_TIMEOUT_S, MAX_TIMEOUT_S, f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (1 s to 7 days)")
 
 
-def _check_in_range(name: str, value: object, allowed: _Range, optional: bool = False) -> None:
+def _check_in_range(
+    name: str, value: object, allowed: _Range, optional: bool = False, owner: str = "Strategy"
+) -> None:
     if optional and value is None:
         return
     none = "None or " if optional else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         kind = "a number or None" if optional else "a number"
         raise ValueError(
-            f"Strategy.{name} must be {kind}, got {value!r} ({type(value).__name__}); allowed: {none}{allowed.text}"
+            f"{owner}.{name} must be {kind}, got {value!r} ({type(value).__name__}); allowed: {none}{allowed.text}"
         )
     if not (math.isfinite(value) and value > 0):
         raise ValueError(
-            f"Strategy.{name} must be {none}finite and greater than 0, got {value!r}; allowed: {none}{allowed.text}"
+            f"{owner}.{name} must be {none}finite and greater than 0, got {value!r}; allowed: {none}{allowed.text}"
         )
     if not allowed.low <= value <= allowed.high:
-        raise ValueError(f"Strategy.{name} must be {none}from {allowed.text}, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {none}from {allowed.text}, got {value!r}")
 
 
 def _check_directory(name: str, value: object) -> None:

@@ -34,12 +34,16 @@ PS_STRATEGIES = {
     "small_blocks": {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005, "partition_mb": 0.0005},
     "no_priority_no_overlap": {"priority": False, "overlap_forward": False, "partition_mb": 0.0005},
     "no_credit_unfused": {"credit_mb": None, "fuse_optimizer": False, "partition_mb": 0.001},
+    # The servers' blocks, not the partitions, set the size: workers and servers must cut alike.
+    "blocks_below_partitions": {"bucket_cap_mb": 0.004, "partition_mb": 0.004, "block_mb": 0.0005},
 }
 
 
-def prepare_or_serve(model, optimizer, num_servers, ps_mode="sync", ps_max_staleness=None, **kwargs):
+def prepare_or_serve(model, optimizer, num_servers, ps_mode="sync", ps_max_staleness=None, block_mb=0.5,
+                     **kwargs):
     """prepare() with the PS backend; None on a server rank once the workers are done."""
-    backend = commsched.ParameterServer(num_servers=num_servers, mode=ps_mode, max_staleness=ps_max_staleness)
+    backend = commsched.ParameterServer(num_servers=num_servers, mode=ps_mode, max_staleness=ps_max_staleness,
+                                        block_mb=block_mb)
     strategy = commsched.Strategy(backend=backend, **kwargs)
     try:
         return commsched.prepare(model, optimizer, strategy)
@@ -76,6 +80,8 @@ def case_matches_single_process(rank, world_size, servers, optimizer_name, strat
             local_step(model, optimizer, x, y, iteration, rank, set_to_none)
             reference_step(reference, reference_optimizer, x, y, iteration, workers, set_to_none)
         assert_close_parameters(model, reference)
+        if strategy_name == "blocks_below_partitions":  # 4.4 KB of parameters: one 4 KiB partition or two
+            assert commsched.status(model).partitions >= 8, commsched.status(model).partitions
         assert model.never_used.weight.grad is None
     finally:
         finish(model)

@@ -195,7 +195,7 @@ def test_infinite_bandwidth_leaves_compute_and_overheads():
     profile = balanced_profile()
     free = Cluster(64, math.inf, latency_s=0.0)
     ps_free = dataclasses.replace(free, servers=4)
-    ps = Strategy(backend=ParameterServer(num_servers=4), adaptive=False)
+    ps = Strategy(backend=ParameterServer(num_servers=4, block_mb=None), adaptive=False)
     for system in (DDPConfig(), LITERAL, dataclasses.replace(LITERAL, priority=False),
                    dataclasses.replace(LITERAL, overlap_forward=False)):
         result = simulate(profile, free, system)

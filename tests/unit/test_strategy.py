@@ -68,9 +68,10 @@ def test_scheduling_flags_must_be_bools(field):
 
 def test_parameter_server_config_is_validated():
     strategy = Strategy(backend=ParameterServer(num_servers=2, mode="async"))
-    assert strategy.parameter_server and strategy.ps_block_bytes == MIB
-    assert strategy.backend == ParameterServer(num_servers=2, mode="async", max_staleness=None)
-    assert Strategy(backend=ParameterServer(), partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+    assert strategy.parameter_server and strategy.ps_block_bytes == MIB // 2
+    assert strategy.backend == ParameterServer(num_servers=2, mode="async", max_staleness=None, block_mb=0.5)
+    unlimited = ParameterServer(block_mb=None)
+    assert Strategy(backend=unlimited, partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
     assert Strategy().backend == AllReduce() and not Strategy().parameter_server
     with pytest.raises(ValueError, match=r"Strategy.backend must be commsched.AllReduce\(\) or commsched.ParameterServer"):
         Strategy(backend=3)
@@ -89,6 +90,22 @@ def test_parameter_server_config_is_validated():
         Strategy(backend=ParameterServer(), num_servers=2)
 
 
+def test_parameter_server_blocks_are_cut_to_block_mb():
+    """Partitions and buckets larger than ``block_mb`` are cut to it; smaller ones are kept."""
+    default = Strategy(backend=ParameterServer())
+    assert default.ps_block_bytes == MIB // 2 and default.bucket_size_limits_bytes == [MIB // 2, MIB // 2]
+    small = Strategy(backend=ParameterServer(block_mb=0.25), partition_mb=0.001, first_bucket_mb=0.0005)
+    assert small.ps_block_bytes == int(0.001 * MIB)
+    assert small.bucket_size_limits_bytes == [int(0.0005 * MIB), int(0.001 * MIB)]
+    whole = Strategy(backend=ParameterServer(block_mb=None), partition_mb=None, bucket_cap_mb=2, first_bucket_mb=1)
+    assert whole.ps_block_bytes == 2 * MIB and whole.bucket_size_limits_bytes == [MIB, 2 * MIB]
+    assert Strategy(backend=ParameterServer(block_mb=4)).ps_block_bytes == MIB  # the partition is smaller
+    assert Strategy(partition_mb=1).bucket_size_limits_bytes == [MIB, MIB]  # all-reduce has no blocks
+    for bad in (0, -1.0, float("nan"), float("inf"), 2.0**21, True, "1"):
+        with pytest.raises(ValueError, match=r"ParameterServer.block_mb must be"):
+            ParameterServer(block_mb=bad)
+
+
 def test_replace_moves_between_backends():
     ps = Strategy(backend=ParameterServer(num_servers=2), bucket_cap_mb=4)
     assert dataclasses.replace(ps, bucket_cap_mb=8).backend == ParameterServer(num_servers=2)
@@ -99,11 +116,11 @@ def test_replace_moves_between_backends():
 def test_flat_parameter_server_fields_are_a_deprecated_spelling():
     with pytest.warns(DeprecationWarning, match=r"write Strategy\(backend=commsched.ParameterServer"):
         strategy = Strategy(backend="ps", num_servers=2, ps_mode="async")
-    assert strategy.parameter_server and strategy.ps_block_bytes == MIB
+    assert strategy.parameter_server and strategy.ps_block_bytes == MIB // 2
     assert strategy.backend == ParameterServer(num_servers=2, mode="async")
     assert strategy.num_servers is None  # input only: the config holds the value
     with pytest.warns(DeprecationWarning):
-        assert Strategy(backend="ps", partition_mb=None, bucket_cap_mb=2).ps_block_bytes == 2 * MIB
+        assert Strategy(backend="ps", partition_mb=None, bucket_cap_mb=2).ps_block_bytes == MIB // 2
     with pytest.warns(DeprecationWarning):
         assert Strategy(backend="allreduce").backend == AllReduce()
     with pytest.raises(ValueError, match=r"Strategy.backend must be one of 'allreduce', 'ps', got 'nccl'"):
