@@ -31,6 +31,8 @@ def test_demo_prints_both_systems_with_equal_losses():
     (["demo", "--ps-servers", "-1"], "--ps-servers must be at least 0"),
     (["demo", "--workload", "nope"], "invalid choice"),
     (["demo", "--bucket-cap-mb", "-1"], "Strategy.bucket_cap_mb must be finite and greater than 0"),
+    (["bench", "--ps-servers", "0", "--ps-block-mb", "0.25"], "give --ps-servers 1 or more"),
+    (["bench", "--ps-block-mb", "0"], "--ps-block-mb: ParameterServer.block_mb must be None or finite"),
 ])
 def test_bad_arguments_say_what_to_change(args, message):
     done = run_cli(*args, timeout=60)

@@ -67,9 +67,12 @@ PS_TRACE_SUBDIR = "parameter-servers"
 (both systems write one ``rank<N>.json`` per worker)."""
 
 
-def lineup(trace_dir: str | None = None, ps_servers: int = 0) -> tuple[System, ...]:
+def lineup(
+    trace_dir: str | None = None, ps_servers: int = 0, ps_block_mb: Sequence[float] = ()
+) -> tuple[System, ...]:
     """The systems every cell trains; ``trace_dir`` traces the default commsched system, and the
-    parameter-server one into its `PS_TRACE_SUBDIR`."""
+    parameter-server one into its `PS_TRACE_SUBDIR`. Each of ``ps_block_mb`` adds a parameter-server
+    system with that `ParameterServer.block_mb`, labelled ``block_mb=...``, to compare with the default."""
     chosen: list[System] = [
         ComputeOnly(), TorchDDP(), *(TorchDDP(cap) for cap in DDP_SWEEP_MB),
         *(TorchDDP(cap, static_graph=True, gradient_as_bucket_view=True) for cap in DDP_STATIC_MB),
@@ -78,7 +81,14 @@ def lineup(trace_dir: str | None = None, ps_servers: int = 0) -> tuple[System, .
     if ps_servers:
         ps_trace = None if trace_dir is None else str(Path(trace_dir) / PS_TRACE_SUBDIR)
         chosen.append(Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers), trace_dir=ps_trace)))
+        chosen += [Commsched(Strategy(backend=ParameterServer(num_servers=ps_servers, block_mb=mb)),
+                             block_label(mb)) for mb in ps_block_mb]
     return tuple(chosen)
+
+
+def block_label(block_mb: float) -> str:
+    """The label of the parameter-server system with ``block_mb`` in a `lineup`."""
+    return f"block_mb={block_mb:g}"
 
 
 # ------------------------------------------------------------------ one cell
@@ -184,7 +194,7 @@ def measuring_cells(cells: Sequence[Cell]) -> set[Cell]:
 
 
 def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup: int, repeats: int,
-             timeout_s: float, trace_dir: Path | None = None) -> list[dict]:
+             timeout_s: float, trace_dir: Path | None = None, ps_block_mb: Sequence[float] = ()) -> list[dict]:
     """Run every cell ``repeats`` times; write ``runs.json``, ``results.md`` and ``speedup.png`` into ``out``.
 
     The files are rewritten after each cell, so an interrupted grid keeps what it measured. Peak RSS
@@ -196,7 +206,7 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
     servers = {cell.ps_servers for cell in cells}
     if len(servers) != 1:
         raise ValueError("every cell of a grid uses the same number of parameter servers")
-    chosen = lineup(None if trace_dir is None else str(trace_dir.resolve()), servers.pop())
+    chosen = lineup(None if trace_dir is None else str(trace_dir.resolve()), servers.pop(), ps_block_mb)
     record: dict = {"systems": [system.name for system in chosen], "cells": []}
     rows: list[dict] = []
     measuring = measuring_cells(cells)
@@ -256,6 +266,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="trace the commsched system into DIR, the parameter-server one into "
                              f"DIR/{PS_TRACE_SUBDIR} (for `commsched trace-report`; tracing adds hooks, so "
                              "its times are for diagnosis, not for the table)")
+    parser.add_argument("--ps-block-mb", nargs="+", type=float, default=[], metavar="MB",
+                        help="also train the parameter-server system with each of these ParameterServer.block_mb "
+                             "(the default is 0.5), interleaved with the rest, and report its time against the "
+                             "default's")
     return parser
 
 
@@ -270,6 +284,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     """``commsched bench``: check the machine and the options, run the grid, print the table."""
     from commsched.bench.cluster import unavailable_reason
 
+    problem = _block_sizes_problem(args.ps_block_mb, args.ps_servers)
+    if problem:
+        print(f"commsched bench: {problem}", file=sys.stderr)
+        return 2
     reason = unavailable_reason()
     if reason:
         print(f"commsched bench: {reason}; the emulated cluster needs it. Without it, "
@@ -284,10 +302,21 @@ def run_from_args(args: argparse.Namespace) -> int:
              for m, h, r in itertools.product(args.models, args.hosts, args.rates_gbit)
              for b in (args.batch_sizes or [BATCH[m]])]
     rows = run_grid(cells, args.out, args.rounds, args.iterations, args.warmup, args.repeats, args.timeout_s,
-                    args.trace)
+                    args.trace, args.ps_block_mb)
     print(markdown(rows))
     print(f"every run: {args.out / 'runs.json'}; table: {args.out / 'results.md'}; plot: {args.out / 'speedup.png'}")
     return 0
+
+
+def _block_sizes_problem(block_mb: Sequence[float], ps_servers: int) -> str | None:
+    if block_mb and not ps_servers:
+        return "--ps-block-mb compares parameter-server systems; give --ps-servers 1 or more"
+    for mb in block_mb:
+        try:
+            ParameterServer(block_mb=mb)
+        except ValueError as error:
+            return f"--ps-block-mb: {error}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

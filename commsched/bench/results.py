@@ -113,8 +113,9 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
     ps: dict = {}
     if cell.ps_servers:
         name = _the(chosen, f"commsched with {cell.ps_servers} parameter servers",
-                    lambda s: isinstance(s, Commsched) and s.num_servers == cell.ps_servers)
+                    lambda s: isinstance(s, Commsched) and s.num_servers == cell.ps_servers and not s.label)
         ps_times = per_repeat(name)
+        variants = [s for s in chosen if isinstance(s, Commsched) and s.num_servers and s.label]
         server_bytes = runs[0]["systems"][name]["server_bytes"]
         link_s = cell.hosts * max(server_bytes) * 8 / (cell.rate_gbit * 1e9)
         ps_bounds = [max(c, link_s) for c in compute]
@@ -126,6 +127,11 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
             "ps_vs_allreduce": statistics.median(o / p for o, p in zip(ours, ps_times)),
             "ps_efficiency": statistics.median(b / p for b, p in zip(ps_bounds, ps_times)),
             "ps_server_imbalance": max(server_bytes) / statistics.fmean(server_bytes),
+            "ps_variants": {
+                v.label: {"ms": statistics.median(per_repeat(v.name)) * 1e3,
+                          "vs_default": statistics.median(t / p for t, p in zip(per_repeat(v.name), ps_times))}
+                for v in variants
+            },
         }
     return {
         **asdict(cell),
@@ -237,6 +243,24 @@ def _ps_table(rows: list[dict]) -> list[str]:
     return _table(header, lines) if lines else []
 
 
+def _ps_variants_table(rows: list[dict]) -> list[str]:
+    """The parameter-server systems of ``--ps-block-mb``: their time, and its ratio to the default's."""
+    rows = [r for r in rows if r.get("ps_variants")]
+    if not rows:
+        return []
+    labels = list(rows[0]["ps_variants"])
+    header = ("| model | workers + servers | Gbit/s | PS ms (default) | "
+              + " | ".join(f"{label} ms (time / default's)" for label in labels) + " |")
+    lines = [
+        f"| {r['model']} | {r['hosts']} + {r['ps_servers']} | {r['rate_gbit']:g} | {r['ps_ms']:.0f} | "
+        + " | ".join(f"{r['ps_variants'][label]['ms']:.0f} ({r['ps_variants'][label]['vs_default']:.3f})"
+                     for label in labels) + " |"
+        for r in rows
+    ]
+    return ["Parameter servers with other block sizes (same rounds; median over repeats of the per-repeat "
+            "time ratio):", "", *_table(header, lines)]
+
+
 def _rss_table(rows: list[dict]) -> list[str]:
     """Peak RSS per system, one row per model, hosts and batch (it does not depend on the rate)."""
     measured: dict[tuple, dict] = {}
@@ -266,9 +290,9 @@ def _notes(rows: list[dict]) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The tables of ``results.md``: times, parameter servers, peak RSS, then the notes."""
-    sections = [section for section in (_times_table(rows), _ps_table(rows), _rss_table(rows), _notes(rows))
-                if section]
+    """The tables of ``results.md``: times, parameter servers (and their block sizes), peak RSS, then the notes."""
+    sections = [section for section in (_times_table(rows), _ps_table(rows), _ps_variants_table(rows),
+                                        _rss_table(rows), _notes(rows)) if section]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
 
 

@@ -62,6 +62,29 @@ def test_parameter_server_bound_is_the_busiest_server_link():
     assert "| vgg-like | 2 + 2 | 1 | 500 | 480 (480) | 2.00 | 0.80 | 0.96 | 1.200 |" in table
 
 
+def test_other_parameter_server_block_sizes_are_compared_with_the_default():
+    chosen = lineup(ps_servers=1, ps_block_mb=(1.0, 0.25))
+    default, *variants = [s for s in chosen if isinstance(s, Commsched) and s.num_servers]
+    assert default.strategy.backend == ParameterServer() and default.label == ""
+    assert [(v.label, v.strategy.backend.block_mb) for v in variants] == [("block_mb=1", 1.0), ("block_mb=0.25", 0.25)]
+    cell = Cell("vgg-like", 1.0, 2, 64, ps_servers=1)
+    runs = []
+    for ps_s, big_s, small_s in ((0.5, 0.6, 0.45), (0.5, 0.5, 0.4)):
+        runs.append(run(0.1, 0.4, 1.0, 0.9, 0.95, 0.625))
+        runs[-1]["systems"].update({
+            default.name: {"iteration_times_s": [ps_s] * 3, "server_bytes": [30_000_000]},
+            variants[0].name: {"iteration_times_s": [big_s] * 3, "server_bytes": [30_000_000]},
+            variants[1].name: {"iteration_times_s": [small_s] * 3, "server_bytes": [30_000_000]},
+        })
+    row = summarize(cell, runs, (*SYSTEMS, *[s for s in chosen if isinstance(s, Commsched) and s.num_servers]))
+    assert row["ps_ms"] == pytest.approx(500)  # the default's, not a variant's
+    assert row["ps_variants"]["block_mb=1"] == pytest.approx({"ms": 550, "vs_default": 1.1})
+    assert row["ps_variants"]["block_mb=0.25"] == pytest.approx({"ms": 425, "vs_default": 0.85})
+    table = markdown([row])
+    assert "| vgg-like | 2 + 1 | 1 | 500 | 550 (1.100) | 425 (0.850) |" in table
+    assert "block_mb=0.25 ms (time / default's)" in table
+
+
 def test_display_names():
     assert [s.name for s in lineup(ps_servers=2)] == [
         "compute only", "torch DDP", "torch DDP, bucket_cap_mb=5", "torch DDP, bucket_cap_mb=100",
@@ -82,7 +105,7 @@ def test_trace_goes_to_the_all_reduce_and_parameter_server_systems_apart():
 
 
 def test_systems_round_trip_through_json():
-    systems = (*lineup(trace_dir="/tmp/trace", ps_servers=2),
+    systems = (*lineup(trace_dir="/tmp/trace", ps_servers=2, ps_block_mb=(0.25,)),
                Commsched(Strategy(backend=ParameterServer(num_servers=3, mode="async", max_staleness=2)), "async"),
                TorchDDP(0.5, gradient_as_bucket_view=True), TorchFSDP2(reshard_after_forward=True))
     decoded = tuple(decode(data) for data in json.loads(json.dumps([encode(s) for s in systems])))
