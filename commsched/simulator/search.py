@@ -57,7 +57,8 @@ def best_strategy(
     `TIE_S`) goes to fewer collectives, then to the earlier one. Without ``space``: `strategy_space`, and
     on a cluster with servers the same space on `ParameterServer` too."""
     if space is None:
-        servers = [ParameterServer(num_servers=cluster.servers)] if cluster.servers else []
+        # block_mb=None: each candidate's partitions are its blocks, so every partition size is tried as a block size
+        servers = [ParameterServer(num_servers=cluster.servers, block_mb=None)] if cluster.servers else []
         space = [*strategy_space(), *(s for backend in servers for s in strategy_space(Strategy(backend=backend)))]
     results = [(strategy, simulate(profile, cluster, strategy)) for strategy in space]
     if not results:

@@ -401,6 +401,9 @@ def test_best_strategy_considers_parameter_servers_on_a_cluster_with_servers():
     profile = make_profile([4.0] * 25, forward_s=0.1, backward_s=0.2, update_s=0.02)
     chosen, _ = best_strategy(profile, Cluster(8, 10.0, servers=8))
     assert chosen.parameter_server and chosen.backend.num_servers == 8
+    # The partition sizes searched are the block sizes: no block_mb cuts them.
+    assert chosen.backend.block_mb is None
+    assert chosen.ps_block_bytes == (chosen.partition_bytes or chosen.bucket_size_limits_bytes[1])
 
 
 def test_simulate_refuses_what_it_cannot_simulate():
