@@ -9,7 +9,7 @@ first); nothing in it changes afterwards. Per-iteration state lives in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +46,11 @@ class GradLayout:
     of backward, and carrying the usage flags (see [Note: unused parameters])."""
     partitions: tuple[Partition, ...]
     gated_modules: tuple[tuple[torch.nn.Module, tuple[int, ...]], ...]
-    """Each module (but the root) that owns parameters, with the buckets they live in."""
+    """Each module (but the root) that owns parameters or reads others' before their
+    module runs (``nn.MultiheadAttention`` reads ``out_proj``'s), with the buckets they live in."""
     root_buckets: tuple[int, ...]
     """Buckets the root must wait for before its forward: its own parameters', and those
-    used before their module runs (``F.linear(x, self.head.weight)``)."""
+    it reads before their module runs (``F.linear(x, self.head.weight)``)."""
 
 
 def build_layout(
@@ -57,7 +58,7 @@ def build_layout(
     names: Sequence[str],
     params: Sequence[torch.nn.Parameter],
     forward_order: Sequence[int],
-    used_before_owner: set[int],
+    read_before_owner: Mapping[int, torch.nn.Module],
     bucket_size_limits: Sequence[int],
     usage_flags: bool,
     cut: CutPartitions,
@@ -65,7 +66,8 @@ def build_layout(
     """Buckets in reverse forward order, their flat buffers and partitions, and the gates.
 
     Gradients that exist already move into their buckets. ``usage_flags``: give
-    the flags bucket one extra element per parameter.
+    the flags bucket one extra element per parameter. ``read_before_owner``: per
+    slot read before its module ran, the module that read it (`ForwardRecorder.read_by`).
     """
     bucket_slots, priorities = bucket_layout(params, forward_order, bucket_size_limits)
     flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
@@ -86,7 +88,7 @@ def build_layout(
                 view.copy_(grad)
                 params[slot].grad = view
     partitions = cut(BucketSet(tuple(forward_order), bucket_slots, priorities, buckets))
-    gated, root_slots = _gates(root, params, bucket_of, used_before_owner)
+    gated, root_slots = _gates(root, params, bucket_of, read_before_owner)
     return GradLayout(
         names=tuple(names), params=tuple(params), forward_order=tuple(forward_order), buckets=tuple(buckets),
         bucket_slots=tuple(map(tuple, bucket_slots)), bucket_param_counts=tuple(map(len, bucket_slots)),
@@ -97,14 +99,22 @@ def build_layout(
 
 
 def _gates(
-    root: torch.nn.Module, params: Sequence[torch.nn.Parameter], bucket_of: Sequence[int], used_before_owner: set[int]
+    root: torch.nn.Module,
+    params: Sequence[torch.nn.Parameter],
+    bucket_of: Sequence[int],
+    read_before_owner: Mapping[int, torch.nn.Module],
 ) -> tuple[tuple[tuple[torch.nn.Module, tuple[int, ...]], ...], set[int]]:
-    """Per module, the buckets of the parameters it owns; and the slots the root waits for."""
+    """Per module, the buckets of the parameters it owns or reads before their module
+    runs; and the slots the root waits for."""
     slot_of = {id(p): s for s, p in enumerate(params)}
+    read_by: dict[int, set[int]] = {}
+    for slot, module in read_before_owner.items():
+        read_by.setdefault(id(module), set()).add(slot)
     gated = []
-    root_slots = set(used_before_owner)
+    root_slots: set[int] = set()
     for module in root.modules():
         slots = {slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of}
+        slots |= read_by.get(id(module), set())
         if slots and module is not root:
             gated.append((module, tuple(sorted({bucket_of[s] for s in slots}))))
         elif slots:

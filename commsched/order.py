@@ -5,9 +5,13 @@ many models: a parameter registered on a container, a head defined before its
 body). Forward overlap needs to know which parameters are used before their
 owning module runs (``F.linear(x, self.head.weight)`` in a parent's forward,
 or ``nn.MultiheadAttention``'s ``out_proj``, whose module never runs): such a
-parameter is not protected by its owner's gate, so its bucket is waited for at
-the very start of the forward pass instead, and the order puts it first, so
-that priority sends it first too.
+parameter is not protected by its owner's gate, so its bucket is waited for by
+the gate of the innermost module that was running when it was read (the
+parent; the attention module), and the order puts it where that module runs,
+so that its gradient shares that module's bucket and priority. Waiting for it
+at the start of the forward pass instead would put every attention layer's
+``out_proj`` in one bucket ready only when the backward pass ends, and make the
+next forward pass wait for its reduction before the first layer.
 
 Both are recorded once, during the first forward pass that records gradients.
 """
@@ -27,6 +31,7 @@ class ForwardRecorder:
     """Attach before the first forward pass; `finish()` after it."""
 
     def __init__(self, root: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
+        self._root = root
         self._slot_of = {id(p): slot for slot, p in enumerate(params)}
         self._owners: dict[int, list[torch.nn.Module]] = {}
         for module in root.modules():
@@ -34,29 +39,40 @@ class ForwardRecorder:
                 if param is not None and id(param) in self._slot_of:
                     self._owners.setdefault(id(param), []).append(module)
         self._entered: set[int] = set()
+        self._running: list[torch.nn.Module] = []
+        """Modules whose forward is running, innermost last."""
         self.module_order: list[torch.nn.Module] = []
-        self.used_before_owner: set[int] = set()
-        self._early_uses: list[int] = []
-        """`used_before_owner`, in the order of first use."""
+        self.read_by: dict[int, torch.nn.Module] = {}
+        """Per slot used before its owner ran: the innermost module running when it was
+        first read, in the order of first use. Its gate waits for the slot's bucket."""
         # Attached from inside the root's own pre-hook, so the root's recording
         # hook would only run from the next call on: enter the root by hand.
         self._on_module_forward(root, ())
         self._handles = [m.register_forward_pre_hook(self._on_module_forward) for m in root.modules()]
+        self._handles += [m.register_forward_hook(self._on_module_return, always_call=True) for m in root.modules()]
         self._mode = ParameterUseMode(self.note_use)
         self._mode.__enter__()
 
+    @property
+    def used_before_owner(self) -> set[int]:
+        return set(self.read_by)
+
     def _on_module_forward(self, module: torch.nn.Module, args: object) -> None:
+        self._running.append(module)
         if id(module) not in self._entered:
             self._entered.add(id(module))
             self.module_order.append(module)
 
+    def _on_module_return(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self._running and self._running[-1] is module:
+            self._running.pop()
+
     def note_use(self, param: torch.nn.Parameter) -> None:
         slot = self._slot_of.get(id(param))
-        if slot is None or slot in self.used_before_owner:
+        if slot is None or slot in self.read_by:
             return
         if not any(id(owner) in self._entered for owner in self._owners.get(id(param), ())):
-            self.used_before_owner.add(slot)
-            self._early_uses.append(slot)
+            self.read_by[slot] = self._running[-1] if self._running else self._root
 
     def finish(self) -> None:
         self._mode.__exit__(None, None, None)
@@ -65,29 +81,32 @@ class ForwardRecorder:
         self._handles.clear()
 
     def parameter_order(self, params: Sequence[torch.nn.Parameter]) -> list[int]:
-        """Slots used before their owner first, in order of use; then the rest in the
-        order of their owner module's first forward call; then those whose modules
-        never ran and were not used, in registration order.
+        """Slots in the order of their module's first forward call: each module's
+        own, then those it read before their owner ran (in order of use); then
+        those whose modules never ran and were not used, in registration order.
 
-        A parameter used before its owner is waited for when the forward pass
-        starts (see the module's docstring): ordered where its owner runs, or
-        last when its owner never runs, its bucket would get the lowest priority
-        and the forward pass would wait at its start for every other bucket.
+        A parameter used before its owner is waited for by the module that read it
+        (see the module's docstring): ordered where its owner runs, or last when
+        its owner never runs, its bucket's priority would not match that wait.
         """
-        order: list[int] = list(self._early_uses)
-        placed: set[int] = set(order)
+        read_by: dict[int, list[int]] = {}
+        for slot, module in self.read_by.items():
+            read_by.setdefault(id(module), []).append(slot)
+        order: list[int] = []
+        placed: set[int] = set(self.read_by)
         for module in self.module_order:
             for param in module._parameters.values():
                 slot = None if param is None else self._slot_of.get(id(param))
                 if slot is not None and slot not in placed:
                     placed.add(slot)
                     order.append(slot)
+            order.extend(read_by.get(id(module), ()))
         order.extend(slot for slot in range(len(params)) if slot not in placed)
         return order
 
 
 class FirstForward:
-    """Records one forward pass and hands what it saw to ``done(order, used_before_owner)``.
+    """Records one forward pass and hands what it saw to ``done(order, read_by)``.
 
     Started from the root's forward pre-hook; ``done`` runs when that forward
     returns, or raises (then with whatever was seen).
@@ -97,7 +116,7 @@ class FirstForward:
         self,
         root: torch.nn.Module,
         params: Sequence[torch.nn.Parameter],
-        done: Callable[[list[int], set[int]], None],
+        done: Callable[[list[int], dict[int, torch.nn.Module]], None],
     ):
         self._params, self._done = params, done
         self._recorder = ForwardRecorder(root, params)
@@ -106,7 +125,7 @@ class FirstForward:
     def _after(self, module: torch.nn.Module, args: object, output: object) -> None:
         self._handle.remove()
         self._recorder.finish()
-        self._done(self._recorder.parameter_order(self._params), self._recorder.used_before_owner)
+        self._done(self._recorder.parameter_order(self._params), self._recorder.read_by)
 
 
 def agree_on_order(order: list[int], group: dist.ProcessGroup, timeout_s: float) -> list[int]:

@@ -118,7 +118,7 @@ class GradientReducer:
         self._repeated_slots: frozenset[int] | None = None
         """Slots whose buckets are issued only at the end of backward (None: all, until
         a first pass was seen); see [Note: nested backward passes]."""
-        self._used_before_owner: set[int] = set()
+        self._read_before_owner: dict[int, torch.nn.Module] = {}
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = [name for name, _ in named]
@@ -154,7 +154,7 @@ class GradientReducer:
         atexit.register(_at_exit, weakref.ref(self))
         if not strategy.priority:
             # Registration order reversed approximates the order gradients are produced.
-            self._build(list(range(len(self._params))), set())
+            self._build(list(range(len(self._params))), {})
 
     # ------------------------------------------------------------------ state
     @property
@@ -168,9 +168,9 @@ class GradientReducer:
             return TUNED_OVERLAP_OFF
         return None
 
-    def _build(self, forward_order: list[int], used_before_owner: set[int]) -> None:
+    def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
         """Fix the layout; start warm-up."""
-        self._used_before_owner = used_before_owner
+        self._read_before_owner = read_before_owner
         self._lay_out(forward_order)
         if self.strategy.priority:
             self._profile = ReadyTimeProfile(len(self._params))
@@ -195,7 +195,7 @@ class GradientReducer:
             self.policy.detach()
             gc.collect()
         layout = build_layout(
-            self.module, self._names, self._params, forward_order, self._used_before_owner,
+            self.module, self._names, self._params, forward_order, self._read_before_owner,
             strategy.bucket_size_limits_bytes, transport.sums_usage_flags,
             lambda bucket_set: transport.attach(bucket_set, strategy.partition_bytes),
         )
@@ -382,7 +382,7 @@ class GradientReducer:
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
         if self.layout is None:
-            self._build(list(range(len(self._params))), set())
+            self._build(list(range(len(self._params))), {})
         self._phase = Phase.BACKWARD if synchronised else Phase.ACCUMULATING
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if synchronised:
@@ -513,11 +513,11 @@ class GradientReducer:
         finally:
             self._phase = Phase.IDLE
 
-    def _after_first_forward(self, order: list[int], used_before_owner: set[int]) -> None:
+    def _after_first_forward(self, order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
         self._first_forward = None
         with self._peer_failures_explained():
             order = agree_on_order(order, self.control_group, self.strategy.timeout_s)
-        self._build(order, used_before_owner)
+        self._build(order, read_before_owner)
 
     def _wait_for_buckets(self, buckets: tuple[int, ...]) -> None:
         """A forward gate: this module's own buckets must be updated first."""

@@ -254,6 +254,42 @@ def case_parameter_used_before_its_module(rank, world_size):
     assert_same_parameters(model, reference)
 
 
+class TinyTransformer(nn.Module):
+    """Two attention layers: ``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, use_aux=True):
+        tokens = self.embed(x).unsqueeze(1).expand(-1, 3, -1)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+def case_attention_waits_for_out_proj_itself(rank, world_size):
+    """Each attention module's gate waits for its own ``out_proj``, which trains exactly."""
+    one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
+    # SGD: the key projection's bias gets gradients that are zero but for rounding, which Adam
+    # would scale up to whole steps of either sign.
+    model, optimizer, reference, reference_optimizer = prepared_pair(
+        OPTIMIZERS["sgd"], one_bucket_per_module, model_cls=TinyTransformer)
+    run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
+    assert_same_parameters(model, reference)
+    x, y = next(batches(world_size, 1))
+    F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+    attention = model.encoder.layers[1].self_attn
+    out_proj_before = attention.out_proj.weight.detach().clone()
+    optimizer.step()  # returns at once: nothing updated yet
+    assert torch.equal(attention.out_proj.weight, out_proj_before)
+    tokens = torch.randn(2, 3, 16)
+    attention(tokens, tokens, tokens)  # its gate releases its own parameters' updates, out_proj's too
+    assert not torch.equal(attention.out_proj.weight, out_proj_before)
+    optimizer.synchronize()
+
+
 def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
     """AdamW with decay / no-decay groups, clip_grad_norm_ after backward, zero_grad(set_to_none=True),
     snapshots through model.module when present: only the wrap differs from the DDP version."""
@@ -426,6 +462,7 @@ def behaviours(rank: int, world_size: int) -> None:
         "gates_wait_only_for_own_module": functools.partial(case_gates_wait_only_for_their_own_module, rank, world_size),
         "eval_under_no_grad_waits": functools.partial(case_eval_under_no_grad_waits_too, rank, world_size),
         "parameter_used_before_its_module": functools.partial(case_parameter_used_before_its_module, rank, world_size),
+        "attention_waits_for_out_proj": functools.partial(case_attention_waits_for_out_proj_itself, rank, world_size),
         "realistic_loop_with_clipping": functools.partial(case_realistic_loop_with_clipping_matches_ddp, rank, world_size),
         "gradient_change_during_overlap": functools.partial(case_gradient_change_during_overlap_is_an_error, rank, world_size),
         "unsupported_optimizer": functools.partial(case_unsupported_optimizer_still_trains, rank, world_size),

@@ -9,14 +9,20 @@ from torch import nn
 from commsched.order import ForwardRecorder
 
 
-def recorded_order(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], set[str]]:
+def record(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], dict[str, nn.Module]]:
+    """The parameter order, and per parameter read before its module ran, the module that read it."""
     params = list(model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
     recorder = ForwardRecorder(model, params)
     model(*inputs)
     recorder.finish()
     order = [names[id(params[slot])] for slot in recorder.parameter_order(params)]
-    return order, {names[id(params[slot])] for slot in recorder.used_before_owner}
+    return order, {names[id(params[slot])]: module for slot, module in recorder.read_by.items()}
+
+
+def recorded_order(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], set[str]]:
+    order, read_by = record(model, *inputs)
+    return order, set(read_by)
 
 
 class Chain(nn.Module):
@@ -56,13 +62,48 @@ def test_a_parameter_read_before_its_module_comes_first():
 
 
 def test_multihead_attention_out_proj_is_ordered_where_it_is_waited_for():
-    """``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling ``out_proj``."""
+    """``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling ``out_proj``: the
+    attention module's gate waits for them, so they are ordered with that module's own parameters.
+    Ordered first (waited for when the forward pass starts), every layer's ``out_proj`` shared one
+    bucket that was ready only when the backward pass ended, and the next forward pass waited for it."""
     layers = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
                                    enable_nested_tensor=False)
-    order, early = recorded_order(layers, torch.randn(2, 5, 16))
+    order, read_by = record(layers, torch.randn(2, 5, 16))
     out_proj = [n for n in order if "out_proj" in n]
-    assert early == set(out_proj) and len(out_proj) == 4
-    assert order[: len(out_proj)] == [
-        "layers.0.self_attn.out_proj.weight", "layers.0.self_attn.out_proj.bias",
-        "layers.1.self_attn.out_proj.weight", "layers.1.self_attn.out_proj.bias",
-    ]
+    assert set(read_by) == set(out_proj) and len(out_proj) == 4
+    for i in range(2):
+        assert read_by[f"layers.{i}.self_attn.out_proj.weight"] is layers.layers[i].self_attn
+        position = order.index(f"layers.{i}.self_attn.in_proj_bias")
+        assert order[position + 1: position + 3] == [f"layers.{i}.self_attn.out_proj.weight",
+                                                     f"layers.{i}.self_attn.out_proj.bias"]
+    assert order[0] == "layers.0.self_attn.in_proj_weight"
+
+
+class ReadsGrandchildWeight(nn.Module):
+    """A block that reads its child's child's weight (as attention reads ``out_proj``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return F.linear(x, self.inner[0].weight)
+
+
+def test_the_innermost_running_module_is_the_reader():
+    model = nn.Sequential(nn.Linear(8, 8), ReadsGrandchildWeight(), nn.Linear(8, 2))
+    order, read_by = record(model, torch.randn(2, 8))
+    assert read_by == {"1.inner.0.weight": model[1]}
+    assert order == ["0.weight", "0.bias", "1.inner.0.weight", "2.weight", "2.bias", "1.inner.0.bias"]
+    # A module that raised is no longer running: later reads go to the module running then.
+    failing = UsesChildWeightEarly()
+    params = list(failing.parameters())
+    recorder = ForwardRecorder(failing, params)
+    try:
+        failing.body(torch.randn(2, 3))  # wrong shape: raises inside body
+    except RuntimeError:
+        pass
+    F.linear(torch.randn(2, 8), failing.proj.weight)
+    recorder.finish()
+    proj_slot = next(slot for slot, p in enumerate(params) if p is failing.proj.weight)
+    assert recorder.read_by == {proj_slot: failing}
