@@ -107,16 +107,22 @@ def _gates(
     """Per module, the buckets of the parameters it owns or reads before their module
     runs; and the slots the root waits for."""
     slot_of = {id(p): s for s, p in enumerate(params)}
-    read_by: dict[int, set[int]] = {}
-    for slot, module in read_before_owner.items():
-        read_by.setdefault(id(module), set()).add(slot)
+    read_by = slots_by_reader(read_before_owner)
     gated = []
     root_slots: set[int] = set()
     for module in root.modules():
         slots = {slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of}
-        slots |= read_by.get(id(module), set())
+        slots.update(read_by.get(id(module), ()))
         if slots and module is not root:
             gated.append((module, tuple(sorted({bucket_of[s] for s in slots}))))
         elif slots:
             root_slots |= slots
     return tuple(gated), root_slots
+
+
+def slots_by_reader(read_before_owner: Mapping[int, torch.nn.Module]) -> dict[int, list[int]]:
+    """Per reading module (by ``id``), the slots it read before their own module ran, in order of first read."""
+    by_reader: dict[int, list[int]] = {}
+    for slot, module in read_before_owner.items():
+        by_reader.setdefault(id(module), []).append(slot)
+    return by_reader

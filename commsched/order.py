@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.errors import wait_or_raise
+from commsched.layout import slots_by_reader
 from commsched.parameter_use import ParameterUseMode
 
 
@@ -52,10 +53,6 @@ class ForwardRecorder:
         self._handles += [m.register_forward_hook(self._on_module_return, always_call=True) for m in root.modules()]
         self._mode = ParameterUseMode(self.note_use)
         self._mode.__enter__()
-
-    @property
-    def used_before_owner(self) -> set[int]:
-        return set(self.read_by)
 
     def _on_module_forward(self, module: torch.nn.Module, args: object) -> None:
         self._running.append(module)
@@ -89,9 +86,7 @@ class ForwardRecorder:
         (see the module's docstring): ordered where its owner runs, or last when
         its owner never runs, its bucket's priority would not match that wait.
         """
-        read_by: dict[int, list[int]] = {}
-        for slot, module in self.read_by.items():
-            read_by.setdefault(id(module), []).append(slot)
+        read_by = slots_by_reader(self.read_by)
         order: list[int] = []
         placed: set[int] = set(self.read_by)
         for module in self.module_order:
