@@ -45,29 +45,20 @@ class GradLayout:
     """The bucket holding the first parameter of the forward pass: issued last, at the end
     of backward, and carrying the usage flags (see [Note: unused parameters])."""
     partitions: tuple[Partition, ...]
-    gated_modules: tuple[tuple[torch.nn.Module, tuple[int, ...]], ...]
-    """Each module (but the root) that owns parameters or reads others' before their
-    module runs (``nn.MultiheadAttention`` reads ``out_proj``'s), with the buckets they live in."""
-    root_buckets: tuple[int, ...]
-    """Buckets the root must wait for before its forward: its own parameters', and those
-    it reads before their module runs (``F.linear(x, self.head.weight)``)."""
 
 
 def build_layout(
-    root: torch.nn.Module,
     names: Sequence[str],
     params: Sequence[torch.nn.Parameter],
     forward_order: Sequence[int],
-    read_before_owner: Mapping[int, torch.nn.Module],
     bucket_size_limits: Sequence[int],
     usage_flags: bool,
     cut: CutPartitions,
 ) -> GradLayout:
-    """Buckets in reverse forward order, their flat buffers and partitions, and the gates.
+    """Buckets in reverse forward order, their flat buffers and partitions.
 
     Gradients that exist already move into their buckets. ``usage_flags``: give
-    the flags bucket one extra element per parameter. ``read_before_owner``: per
-    slot read before its module ran, the module that read it (`ForwardRecorder.read_by`).
+    the flags bucket one extra element per parameter.
     """
     bucket_slots, priorities = bucket_layout(params, forward_order, bucket_size_limits)
     flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
@@ -88,41 +79,29 @@ def build_layout(
                 view.copy_(grad)
                 params[slot].grad = view
     partitions = cut(BucketSet(tuple(forward_order), bucket_slots, priorities, buckets))
-    gated, root_slots = _gates(root, params, bucket_of, read_before_owner)
     return GradLayout(
         names=tuple(names), params=tuple(params), forward_order=tuple(forward_order), buckets=tuple(buckets),
         bucket_slots=tuple(map(tuple, bucket_slots)), bucket_param_counts=tuple(map(len, bucket_slots)),
         priorities=tuple(priorities), bucket_of=tuple(bucket_of),
-        views=tuple(views), flags_bucket=flags_bucket, partitions=tuple(partitions), gated_modules=gated,
-        root_buckets=tuple(sorted({bucket_of[s] for s in root_slots})),
+        views=tuple(views), flags_bucket=flags_bucket, partitions=tuple(partitions),
     )
 
 
-def _gates(
+def gating_modules(
     root: torch.nn.Module,
     params: Sequence[torch.nn.Parameter],
-    bucket_of: Sequence[int],
     read_before_owner: Mapping[int, torch.nn.Module],
-) -> tuple[tuple[tuple[torch.nn.Module, tuple[int, ...]], ...], set[int]]:
-    """Per module, the buckets of the parameters it owns or reads before their module
-    runs; and the slots the root waits for."""
+) -> list[list[torch.nn.Module]]:
+    """Per slot, the modules whose forward gate waits for it: the modules that own it, and
+    the one that read it before they ran (``nn.MultiheadAttention`` reads ``out_proj``'s;
+    the root, for ``F.linear(x, self.head.weight)`` in its own forward). See `commsched.gates`."""
     slot_of = {id(p): s for s, p in enumerate(params)}
-    read_by = slots_by_reader(read_before_owner)
-    gated = []
-    root_slots: set[int] = set()
+    gates: list[list[torch.nn.Module]] = [[] for _ in params]
     for module in root.modules():
-        slots = {slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in slot_of}
-        slots.update(read_by.get(id(module), ()))
-        if slots and module is not root:
-            gated.append((module, tuple(sorted({bucket_of[s] for s in slots}))))
-        elif slots:
-            root_slots |= slots
-    return tuple(gated), root_slots
-
-
-def slots_by_reader(read_before_owner: Mapping[int, torch.nn.Module]) -> dict[int, list[int]]:
-    """Per reading module (by ``id``), the slots it read before their own module ran, in order of first read."""
-    by_reader: dict[int, list[int]] = {}
-    for slot, module in read_before_owner.items():
-        by_reader.setdefault(id(module), []).append(slot)
-    return by_reader
+        for param in module._parameters.values():
+            if param is not None and id(param) in slot_of:
+                gates[slot_of[id(param)]].append(module)
+    for slot, reader in read_before_owner.items():
+        if not any(module is reader for module in gates[slot]):
+            gates[slot].append(reader)
+    return gates

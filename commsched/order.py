@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from commsched.errors import wait_or_raise
-from commsched.layout import slots_by_reader
 from commsched.parameter_use import ParameterUseMode
 
 
@@ -121,6 +120,14 @@ class FirstForward:
         self._handle.remove()
         self._recorder.finish()
         self._done(self._recorder.parameter_order(self._params), self._recorder.read_by)
+
+
+def slots_by_reader(read_before_owner: dict[int, torch.nn.Module]) -> dict[int, list[int]]:
+    """Per reading module (by ``id``), the slots it read before their own module ran, in order of first read."""
+    by_reader: dict[int, list[int]] = {}
+    for slot, module in read_before_owner.items():
+        by_reader.setdefault(id(module), []).append(slot)
+    return by_reader
 
 
 def agree_on_order(order: list[int], group: dist.ProcessGroup, timeout_s: float) -> list[int]:

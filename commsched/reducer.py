@@ -46,7 +46,7 @@ from commsched.guards import (
     grad_scaler_after_warmup_error, gradients_touched_error, synchronize_during_backward_error,
 )
 from commsched.join import highest_rank_still_training
-from commsched.layout import GradLayout, build_layout
+from commsched.layout import GradLayout, build_layout, gating_modules
 from commsched.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.order import FirstForward, agree_on_order
 from commsched.planning import (
@@ -115,10 +115,14 @@ class GradientReducer:
         overlap, updated at ``step()``. See [Note: reads outside the forward pass]."""
         self.updated_after_forward: tuple[int, ...] = ()
         """Buckets the loop reads after the forward pass: updated when it returns."""
+        self.gated_at_forward_start: tuple[str, ...] = ()
+        """Parameters a warm-up forward pass read before their gates: see [Note: reads before the gate]."""
         self._repeated_slots: frozenset[int] | None = None
         """Slots whose buckets are issued only at the end of backward (None: all, until
         a first pass was seen); see [Note: nested backward passes]."""
         self._read_before_owner: dict[int, torch.nn.Module] = {}
+        """Per slot the first forward pass read before its module ran, the module that read it;
+        the root for those a warm-up pass read before their gate ([Note: reads before the gate])."""
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._names = [name for name, _ in named]
@@ -170,13 +174,13 @@ class GradientReducer:
 
     def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
         """Fix the layout; start warm-up."""
-        self._read_before_owner = read_before_owner
+        self._read_before_owner = dict(read_before_owner)
         self._lay_out(forward_order)
         if self.strategy.priority:
             self._profile = ReadyTimeProfile(len(self._params))
             self._events.subscribe(self._profile)
         if self.overlap_off_reason is None and self.policy.per_bucket:
-            self._reads = ParameterReads(self.module, self._params)
+            self._reads = ParameterReads(self.module, self._params, self._gating_modules())
         self.lifecycle = Lifecycle.WARMUP
 
     def _lay_out(self, forward_order: Sequence[int]) -> None:
@@ -195,16 +199,18 @@ class GradientReducer:
             self.policy.detach()
             gc.collect()
         layout = build_layout(
-            self.module, self._names, self._params, forward_order, self._read_before_owner,
-            strategy.bucket_size_limits_bytes, transport.sums_usage_flags,
-            lambda bucket_set: transport.attach(bucket_set, strategy.partition_bytes),
+            self._names, self._params, forward_order, strategy.bucket_size_limits_bytes,
+            transport.sums_usage_flags, lambda bucket_set: transport.attach(bucket_set, strategy.partition_bytes),
         )
         self.layout = layout
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), strategy.credit_bytes)
         self.policy.attach(layout)
         if self.overlap_off_reason is None:
-            self._gates = ForwardGates(self.module, layout, self._wait_for_buckets)
+            self._gates = ForwardGates(self._gating_modules(), layout.bucket_of, self._wait_for_buckets)
         self._events.layout_built(layout, transport.describe().placement)
+
+    def _gating_modules(self) -> list[list[torch.nn.Module]]:
+        return gating_modules(self.module, self._params, self._read_before_owner)
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: agree on the plan; overlap from now on, or not."""
@@ -325,7 +331,10 @@ class GradientReducer:
         return frozenset(self.layout.bucket_of[slot] for slot in self._repeated_slots)
 
     def _use_recorded_reads(self, reads: ParameterReads) -> None:
-        """[Note: reads outside the forward pass]: what warm-up saw decides what is updated early."""
+        """[Note: reads outside the forward pass]: what warm-up saw decides what is updated early,
+        and [Note: reads before the gate]: which parameters the root's gate waits for."""
+        if reads.before_gate:
+            self._gate_at_forward_start(list(reads.before_gate))
         self._read_slots = (frozenset(reads.before_forward), frozenset(reads.after_forward))
         self._map_reads()
         for slots, buckets, when in (
@@ -339,6 +348,20 @@ class GradientReducer:
                 )
         if self.updated_after_forward:
             self._hooks.append(self.module.register_forward_hook(self._after_forward, always_call=True))
+
+    def _gate_at_forward_start(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._read_before_owner[slot] = self.module
+        self.gated_at_forward_start = tuple(self._names[slot] for slot in slots)
+        if self._gates is not None:
+            self._gates.remove()
+            self._gates = ForwardGates(self._gating_modules(), self.layout.bucket_of, self._wait_for_buckets)
+        logger.warning(
+            "commsched: a warm-up forward pass read %d parameters (first: '%s') before the modules that wait "
+            "for them ran, unlike the first forward pass: with forward overlap, the forward pass now waits for "
+            "their buckets at its start. If its paths can differ in other ways after warm-up, use "
+            "Strategy(overlap_forward=False).", len(slots), self._names[slots[0]],
+        )
 
     def _map_reads(self) -> None:
         """The buckets of the slots read outside the forward pass, in the layout in use."""

@@ -86,6 +86,9 @@ class Status:
     reads their parameters before the next forward pass (seen during warm-up)."""
     updated_after_forward: tuple[int, ...] = ()
     """Buckets updated when the forward pass returns, because the loop reads them after it."""
+    gated_at_forward_start: tuple[str, ...] = ()
+    """Parameters a warm-up forward pass read before the modules that wait for them ran (its
+    control flow differed from the first pass's): the forward pass waits for them at its start."""
     partition_mb: float | None = None
     """The partition size in use (None: whole buckets)."""
     credit_mb: float | None = None
@@ -121,6 +124,13 @@ class Status:
             lines.append(
                 f"  read outside the forward pass: {len(self.updated_at_step)} buckets updated at step(), "
                 f"{len(self.updated_after_forward)} when the forward pass returns"
+            )
+        if self.gated_at_forward_start:
+            names = ", ".join(self.gated_at_forward_start[:3])
+            more = len(self.gated_at_forward_start) - 3
+            lines.append(
+                "  waited for at the forward start (read before their modules in warm-up): "
+                + names + (f" and {more} more" if more > 0 else "")
             )
         for label, figures in (("previous", self.previous_iteration), ("current", self.current_iteration)):
             if figures is not None:
@@ -166,6 +176,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         previous_iteration=None if reducer.previous_figures is None else replace(reducer.previous_figures),
         updated_at_step=reducer.updated_at_step,
         updated_after_forward=reducer.updated_after_forward,
+        gated_at_forward_start=reducer.gated_at_forward_start,
         partition_mb=reducer.effective_strategy.partition_mb,
         credit_mb=reducer.effective_strategy.credit_mb,
         partitioning=_partitioning(reducer),

@@ -290,6 +290,43 @@ def case_attention_waits_for_out_proj_itself(rank, world_size):
     optimizer.synchronize()
 
 
+class ReadsLateEarlyLater(nn.Module):
+    """Once ``read_late_first`` is set, the root reads ``late``'s bias before ``early`` and ``late``
+    run: in the first forward pass, no gate but ``late``'s own waits for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.early = nn.Linear(8, 8)
+        self.late = nn.Linear(8, 4)
+        self.read_late_first = False
+
+    def forward(self, x):
+        if self.read_late_first:
+            x = x + self.late.bias.mean()
+        return self.late(torch.relu(self.early(x)))
+
+
+def case_control_flow_that_changes_in_warmup_is_gated_at_the_start(rank, world_size):
+    """A parameter a warm-up pass reads before its gates is waited for at the forward start, and trains exactly."""
+    one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    model, optimizer, reference, reference_optimizer = prepared_pair(
+        OPTIMIZERS["sgd"], one_bucket_per_module, model_cls=ReadsLateEarlyLater)
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        model.read_late_first = reference.read_late_first = iteration > 0
+        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = sum(F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]) for r in range(world_size)) / world_size
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    status = commsched.status(model)
+    assert status.overlapping
+    assert status.gated_at_forward_start == ("late.bias",)
+    assert "waited for at the forward start (read before their modules in warm-up): late.bias" in status.describe()
+    assert_same_parameters(model, reference)
+
+
 def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
     """AdamW with decay / no-decay groups, clip_grad_norm_ after backward, zero_grad(set_to_none=True),
     snapshots through model.module when present: only the wrap differs from the DDP version."""
@@ -463,6 +500,8 @@ def behaviours(rank: int, world_size: int) -> None:
         "eval_under_no_grad_waits": functools.partial(case_eval_under_no_grad_waits_too, rank, world_size),
         "parameter_used_before_its_module": functools.partial(case_parameter_used_before_its_module, rank, world_size),
         "attention_waits_for_out_proj": functools.partial(case_attention_waits_for_out_proj_itself, rank, world_size),
+        "control_flow_changes_in_warmup": functools.partial(
+            case_control_flow_that_changes_in_warmup_is_gated_at_the_start, rank, world_size),
         "realistic_loop_with_clipping": functools.partial(case_realistic_loop_with_clipping_matches_ddp, rank, world_size),
         "gradient_change_during_overlap": functools.partial(case_gradient_change_during_overlap_is_an_error, rank, world_size),
         "unsupported_optimizer": functools.partial(case_unsupported_optimizer_still_trains, rank, world_size),

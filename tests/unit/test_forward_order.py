@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commsched.layout import gating_modules
 from commsched.order import ForwardRecorder
+from commsched.reads import ParameterReads
 
 
 def record(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], dict[str, nn.Module]]:
@@ -107,3 +109,53 @@ def test_the_innermost_running_module_is_the_reader():
     recorder.finish()
     proj_slot = next(slot for slot, p in enumerate(params) if p is failing.proj.weight)
     assert recorder.read_by == {proj_slot: failing}
+
+
+def first_pass_gates(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[nn.Parameter], list[list[nn.Module]]]:
+    params = list(model.parameters())
+    recorder = ForwardRecorder(model, params)
+    model(*inputs)
+    recorder.finish()
+    return params, gating_modules(model, params, recorder.read_by)
+
+
+def test_a_parameter_is_gated_by_its_owners_and_its_first_reader():
+    model = nn.Sequential(nn.Linear(8, 8), ReadsGrandchildWeight(), nn.Linear(8, 2))
+    params, gates = first_pass_gates(model, torch.randn(2, 8))
+    gates_by_name = {name: gates[slot] for slot, (name, _) in enumerate(model.named_parameters())}
+    assert gates_by_name["0.weight"] == [model[0]]
+    assert gates_by_name["1.inner.0.weight"] == [model[1].inner[0], model[1]]
+    assert gates_by_name["1.inner.0.bias"] == [model[1].inner[0]]
+
+
+class ReadsLateFirstWhenAsked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.early = nn.Linear(8, 8)
+        self.late = nn.Linear(8, 2)
+        self.read_late_first = False
+
+    def forward(self, x):
+        if self.read_late_first:
+            x = x + self.late.bias.mean()
+        return self.late(self.early(x))
+
+
+def test_a_later_pass_reading_a_parameter_before_its_gates_is_noted():
+    """[Note: reads before the gate]: the first pass's gates, checked against a pass whose control flow differs."""
+    model = ReadsLateFirstWhenAsked()
+    params, gates = first_pass_gates(model, torch.randn(2, 8))
+    reads = ParameterReads(model, params, gates)
+    reads.start()
+    try:
+        model(torch.randn(2, 8))
+        assert reads.before_gate == {}
+        model.read_late_first = True
+        model(torch.randn(2, 8))
+        model.late(torch.randn(2, 8))  # outside the forward pass: a read after it, not before a gate
+    finally:
+        reads.stop()
+    late_bias = next(slot for slot, p in enumerate(params) if p is model.late.bias)
+    late_weight = next(slot for slot, p in enumerate(params) if p is model.late.weight)
+    assert list(reads.before_gate) == [late_bias]
+    assert reads.after_forward == {late_weight, late_bias}
