@@ -56,6 +56,7 @@ def _figures(cell_runs: list[dict], name: str) -> dict:
 
     return {"commsched_exposed_ms": median_of_means("exposed_wait_s"),
             "commsched_updates_ms": median_of_means("update_s"),
+            "commsched_drain_ms": median_of_means("drain_s"),
             "commsched_partitioning": cell_runs[0]["systems"][name].get("partitioning")}
 
 
@@ -199,6 +200,9 @@ def breakdown_line(row: dict) -> str | None:
         line += (f"; the input layer's reduction ({round(row['input_layer_ms'])} ms) hides behind no computation, "
                  f"so no schedule beats {round(row['input_layer_bound_ms'])} ms "
                  f"(efficiency against that: {row['input_layer_efficiency']:.2f})")
+    if row.get("commsched_drain_ms") is not None:
+        line += (f"; finishing what is in flight after a round (opt.synchronize(), not in the time) took "
+                 f"{round(row['commsched_drain_ms'])} ms")
     if row.get("commsched_partitioning"):
         line += f"; partitioning: {row['commsched_partitioning']}"
     return line

@@ -19,10 +19,11 @@ SYSTEMS = (COMPUTE, DDP, STATIC, FSDP2, OFF, OURS)
 TIMES = {COMPUTE: 0.5, DDP: 1.0, STATIC: 0.8, FSDP2: 1.2, OFF: 0.95, OURS: 0.7}
 
 
-def run(times=TIMES, exposed=(0.01, 0.03), updates=(0.002, 0.004), peaks=None, fsdp2_refused=None) -> dict:
+def run(times=TIMES, exposed=(0.01, 0.03), updates=(0.002, 0.004), peaks=None, fsdp2_refused=None,
+        drain=(0.09, 0.11)) -> dict:
     systems = {s.name: {"iteration_times_s": [value] * 2, "peak_rss_mib": (peaks or {}).get(s, math.nan)}
                for s, value in times.items()}
-    systems[OURS.name] |= {"exposed_wait_s": list(exposed), "update_s": list(updates),
+    systems[OURS.name] |= {"exposed_wait_s": list(exposed), "update_s": list(updates), "drain_s": list(drain),
                            "partitioning": "the cost model's choice: partitions of 1 MiB"}
     if fsdp2_refused:
         systems[FSDP2.name] = {"iteration_times_s": [], "unavailable": fsdp2_refused}
@@ -86,7 +87,8 @@ def test_breakdown_line_from_a_summary():
     assert split.compute + split.exposed + split.updates + split.other == pytest.approx(split.total)
     assert breakdown_line(row) == (
         "vgg-like 2 hosts 0.25 Gbit/s: 700 ms = compute 500 + exposed communication 40 + updates 5 "
-        "+ other 155 (dispatch, contention); partitioning: the cost model's choice: partitions of 1 MiB")
+        "+ other 155 (dispatch, contention); finishing what is in flight after a round (opt.synchronize(), "
+        "not in the time) took 100 ms; partitioning: the cost model's choice: partitions of 1 MiB")
     assert f"- {breakdown_line(row)}" in markdown([row])
 
 
