@@ -240,9 +240,11 @@ class UsesChildWeightEarly(nn.Module):
         return self.body(torch.tanh(F.linear(x, self.proj.weight)))
 
 
-def case_parameter_used_before_its_module(rank, world_size):
-    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], model_cls=UsesChildWeightEarly)
+def train_beside_one_process(rank, world_size, model, optimizer, reference, reference_optimizer,
+                             before_iteration=lambda iteration: None):
+    """Each iteration: this rank's share on ``model``, the whole batch on ``reference`` (one process)."""
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        before_iteration(iteration)
         F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -250,6 +252,11 @@ def case_parameter_used_before_its_module(rank, world_size):
         loss.backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
+
+
+def case_parameter_used_before_its_module(rank, world_size):
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], model_cls=UsesChildWeightEarly)
+    train_beside_one_process(rank, world_size, model, optimizer, reference, reference_optimizer)
     assert commsched.status(model).overlapping
     assert_same_parameters(model, reference)
 
@@ -311,15 +318,12 @@ def case_control_flow_that_changes_in_warmup_is_gated_at_the_start(rank, world_s
     one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
     model, optimizer, reference, reference_optimizer = prepared_pair(
         OPTIMIZERS["sgd"], one_bucket_per_module, model_cls=ReadsLateEarlyLater)
-    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+
+    def from_the_second_on_read_late_first(iteration):
         model.read_late_first = reference.read_late_first = iteration > 0
-        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = sum(F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]) for r in range(world_size)) / world_size
-        loss.backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+
+    train_beside_one_process(rank, world_size, model, optimizer, reference, reference_optimizer,
+                             before_iteration=from_the_second_on_read_late_first)
     status = commsched.status(model)
     assert status.overlapping
     assert status.gated_at_forward_start == ("late.bias",)

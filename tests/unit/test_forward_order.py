@@ -9,6 +9,7 @@ from torch import nn
 from commsched.layout import gating_modules
 from commsched.order import ForwardRecorder
 from commsched.reads import ParameterReads
+from tests.distributed.test_scheduling import ReadsLateEarlyLater
 
 
 def record(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], dict[str, nn.Module]]:
@@ -128,22 +129,9 @@ def test_a_parameter_is_gated_by_its_owners_and_its_first_reader():
     assert gates_by_name["1.inner.0.bias"] == [model[1].inner[0]]
 
 
-class ReadsLateFirstWhenAsked(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.early = nn.Linear(8, 8)
-        self.late = nn.Linear(8, 2)
-        self.read_late_first = False
-
-    def forward(self, x):
-        if self.read_late_first:
-            x = x + self.late.bias.mean()
-        return self.late(self.early(x))
-
-
 def test_a_later_pass_reading_a_parameter_before_its_gates_is_noted():
     """[Note: reads before the gate]: the first pass's gates, checked against a pass whose control flow differs."""
-    model = ReadsLateFirstWhenAsked()
+    model = ReadsLateEarlyLater()
     params, gates = first_pass_gates(model, torch.randn(2, 8))
     reads = ParameterReads(model, params, gates)
     reads.start()
