@@ -186,9 +186,7 @@ class GradientReducer:
     def _lay_out(self, forward_order: Sequence[int]) -> None:
         """Buckets, partitions and gates for ``effective_strategy``; gradients move into the new buckets."""
         strategy, transport = self.effective_strategy, self.transport
-        if self._gates is not None:
-            self._gates.remove()
-            self._gates = None
+        self._remove_gates()
         if self.layout is not None:
             # Let go of the old buckets first: with the activations of a forward pass
             # alive, old and new buffers together would raise the peak memory by one
@@ -206,11 +204,20 @@ class GradientReducer:
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), strategy.credit_bytes)
         self.policy.attach(layout)
         if self.overlap_off_reason is None:
-            self._gates = ForwardGates(self._gating_modules(), layout.bucket_of, self._wait_for_buckets)
+            self._install_gates()
         self._events.layout_built(layout, transport.describe().placement)
 
     def _gating_modules(self) -> list[list[torch.nn.Module]]:
         return gating_modules(self.module, self._params, self._read_before_owner)
+
+    def _install_gates(self) -> None:
+        """One gate per module that waits for parameters, for the layout in use."""
+        self._gates = ForwardGates(self._gating_modules(), self.layout.bucket_of, self._wait_for_buckets)
+
+    def _remove_gates(self) -> None:
+        if self._gates is not None:
+            self._gates.remove()
+            self._gates = None
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: agree on the plan; overlap from now on, or not."""
@@ -354,8 +361,8 @@ class GradientReducer:
             self._read_before_owner[slot] = self.module
         self.gated_at_forward_start = tuple(self._names[slot] for slot in slots)
         if self._gates is not None:
-            self._gates.remove()
-            self._gates = ForwardGates(self._gating_modules(), self.layout.bucket_of, self._wait_for_buckets)
+            self._remove_gates()
+            self._install_gates()
         logger.warning(
             "commsched: a warm-up forward pass read %d parameters (first: '%s') before the modules that wait "
             "for them ran, unlike the first forward pass: with forward overlap, the forward pass now waits for "
@@ -676,8 +683,7 @@ class GradientReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        if self._gates is not None:
-            self._gates.remove()
+        self._remove_gates()
         if self._reads is not None:
             self._reads.stop()
             self._reads = None
