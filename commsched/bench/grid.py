@@ -98,6 +98,7 @@ def worker(config_path: Path, out_path: Path) -> None:
     import torch.distributed as dist
 
     from commsched.bench.compare import ComparisonConfig, allreduce_on_rank, compare_on_rank
+    from commsched.bench.contention import contention_on_rank
     from commsched.bench.memory import peak_rss_in_children
 
     torch.set_num_threads(1)
@@ -115,6 +116,7 @@ def worker(config_path: Path, out_path: Path) -> None:
     dist.init_process_group("gloo")
     results = compare_on_rank(rank, world_size, config)
     allreduce = allreduce_on_rank(rank, world_size, config)
+    contention = contention_on_rank(rank, world_size, config)
     profile = None
     if take_profile:
         from commsched.bench.in_situ import profile_on_rank
@@ -125,7 +127,8 @@ def worker(config_path: Path, out_path: Path) -> None:
             results[name].peak_rss_mib = peak
         phases_s = {"peak_rss": measured_memory - started, "comparison": time.monotonic() - measured_memory}
         out_path.write_text(json.dumps({"systems": {name: asdict(r) for name, r in results.items()},
-                                        "allreduce": asdict(allreduce), "phases_s": phases_s,
+                                        "allreduce": asdict(allreduce), "contention": asdict(contention),
+                                        "phases_s": phases_s,
                                         "profile": profile}))
     dist.destroy_process_group()
 
@@ -144,7 +147,7 @@ def cell_spec(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int
 def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
              timeout_s: float, port: int = 29533, measure_peak_rss: bool = False, profile: bool = False) -> dict:
     """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result,
-    "phases_s": seconds of the peak-RSS phase and of the comparison, "profile": ...}``.
+    "contention": `commsched.bench.contention.ContentionResult`, "phases_s": seconds of the peak-RSS phase and of the comparison, "profile": ...}``.
 
     With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
     With ``profile``, the model is profiled on the cell's hosts after the comparison

@@ -60,6 +60,31 @@ def _figures(cell_runs: list[dict], name: str) -> dict:
             "commsched_partitioning": cell_runs[0]["systems"][name].get("partitioning")}
 
 
+def contention_ratios(cell_runs: list[dict]) -> list[float] | None:
+    """Per repeat, the median over pairs of compute and all-reduce together over the longer alone
+    ([Note: the bound with contention] in `commsched.bench.contention`); None where a run lacks them."""
+    ratios = []
+    for r in cell_runs:
+        measured = r.get("contention")
+        if not measured or not measured.get("together_s"):
+            return None
+        ratios.append(statistics.median(
+            t / max(c, a) for t, c, a in zip(measured["together_s"], measured["compute_alone_s"],
+                                             measured["allreduce_s"])))
+    return ratios
+
+
+def _contention(cell_runs: list[dict], bounds: list[float], ours: list[float]) -> dict:
+    """The bound with contention and commsched's efficiency against it (None where not measured)."""
+    ratios = contention_ratios(cell_runs)
+    if ratios is None:
+        return {"contention_ratio": None, "contended_bound_ms": None, "contended_efficiency": None}
+    contended = [b * ratio for b, ratio in zip(bounds, ratios)]
+    return {"contention_ratio": statistics.median(ratios),
+            "contended_bound_ms": statistics.median(contended) * 1e3,
+            "contended_efficiency": statistics.median(b / o for b, o in zip(contended, ours))}
+
+
 def unavailable(cell_runs: list[dict]) -> dict[str, str]:
     """Systems that could not train the cell's model, with why (from the first run saying so)."""
     reasons: dict[str, str] = {}
@@ -120,6 +145,10 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
         server_bytes = runs[0]["systems"][name]["server_bytes"]
         link_s = cell.hosts * max(server_bytes) * 8 / (cell.rate_gbit * 1e9)
         ps_bounds = [max(c, link_s) for c in compute]
+        # The input layer's pushes can start only when the backward pass ends, and its pulls (the
+        # last one aside) overlap them: at best its bytes are spread evenly over the servers' links.
+        input_push_s = cell.hosts * share * sum(server_bytes) / len(server_bytes) * 8 / (cell.rate_gbit * 1e9)
+        ps_input_bounds = [max(b, c + input_push_s) for b, c in zip(ps_bounds, compute)]
         ps = {
             "ps_ms": statistics.median(ps_times) * 1e3,
             "ps_link_bound_ms": link_s * 1e3,
@@ -127,6 +156,8 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
             "ps_speedup_vs_ddp": statistics.median(d / p for d, p in zip(ddp, ps_times)),
             "ps_vs_allreduce": statistics.median(o / p for o, p in zip(ours, ps_times)),
             "ps_efficiency": statistics.median(b / p for b, p in zip(ps_bounds, ps_times)),
+            "ps_input_layer_bound_ms": statistics.median(ps_input_bounds) * 1e3,
+            "ps_input_layer_efficiency": statistics.median(b / p for b, p in zip(ps_input_bounds, ps_times)),
             "ps_server_imbalance": max(server_bytes) / statistics.fmean(server_bytes),
             "ps_variants": {
                 v.label: {"ms": statistics.median(per_repeat(v.name)) * 1e3,
@@ -154,6 +185,7 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
         "input_layer_bound_ms": statistics.median(input_layer_bounds) * 1e3,
         "input_layer_efficiency": statistics.median(b / o for b, o in zip(input_layer_bounds, ours)),
         "repeats": len(runs),
+        **_contention(runs, bounds, ours),
         **_fsdp2(runs, chosen, ours),
         **_figures(runs, ours_name),
         "peak_rss_mib": peak_rss_mib if peak_rss_mib is not None else peak_rss(runs),
@@ -200,6 +232,10 @@ def breakdown_line(row: dict) -> str | None:
         line += (f"; the input layer's reduction ({round(row['input_layer_ms'])} ms) hides behind no computation, "
                  f"so no schedule beats {round(row['input_layer_bound_ms'])} ms "
                  f"(efficiency against that: {row['input_layer_efficiency']:.2f})")
+    if row.get("contention_ratio") is not None:
+        line += (f"; on these shared cores, compute and one all-reduce started together took "
+                 f"{row['contention_ratio']:.2f}x the longer of the two alone: the bound with contention is "
+                 f"{round(row['contended_bound_ms'])} ms (efficiency against it: {row['contended_efficiency']:.2f})")
     if row.get("commsched_drain_ms") is not None:
         line += (f"; finishing what is in flight after a round (opt.synchronize(), not in the time) took "
                  f"{round(row['commsched_drain_ms'])} ms")
@@ -219,7 +255,7 @@ def _or_na(value: float | None, spec: str) -> str:
 def _times_table(rows: list[dict]) -> list[str]:
     header = ("| model | hosts | Gbit/s | batch | compute ms | all-reduce ms (CPU ms) | bound ms | DDP ms "
               "| best DDP ms | FSDP2 ms | sched. off ms | commsched ms | speedup vs DDP (range) | vs best DDP "
-              "| vs FSDP2 | efficiency (DDP's) |")
+              "| vs FSDP2 | efficiency (DDP's) | bound with contention ms (efficiency) |")
     lines = []
     for r in rows:
         low, high = r["speedup_vs_ddp_range"]
@@ -229,19 +265,34 @@ def _times_table(rows: list[dict]) -> list[str]:
             f"| {r['best_ddp_ms']:.0f} | {_or_na(r.get('fsdp2_ms'), '.0f')} | {r['scheduling_off_ms']:.0f} "
             f"| {r['commsched_ms']:.0f} | {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) "
             f"| {r['speedup_vs_best_ddp']:.2f} | {_or_na(r.get('speedup_vs_fsdp2'), '.2f')} "
-            f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) |"
+            f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) | {_contended(r)} |"
         )
     return _table(header, lines)
+
+
+def _contended(row: dict) -> str:
+    if row.get("contended_bound_ms") is None:
+        return "n/a"
+    return f"{row['contended_bound_ms']:.0f} ({row['contended_efficiency']:.2f})"
+
+
+def _ps_input_layer(row: dict) -> str:
+    """The parameter servers' bound set by the input layer, where it exceeds theirs."""
+    bound = row.get("ps_input_layer_bound_ms")
+    if bound is None or bound < row["ps_bound_ms"] + 1.0:
+        return "-"
+    return f"{bound:.0f} ({row['ps_input_layer_efficiency']:.2f})"
 
 
 def _ps_table(rows: list[dict]) -> list[str]:
     header = ("| model | workers + servers | Gbit/s | PS ms | PS bound ms (busiest server link ms) "
               "| PS speedup vs DDP | PS time / all-reduce commsched time | PS efficiency "
-              "| most loaded server / mean |")
+              "| most loaded server / mean | bound with the input layer ms (PS efficiency) |")
     lines = [
         f"| {r['model']} | {r['hosts']} + {r['ps_servers']} | {r['rate_gbit']:g} | {r['ps_ms']:.0f} "
         f"| {r['ps_bound_ms']:.0f} ({r['ps_link_bound_ms']:.0f}) | {r['ps_speedup_vs_ddp']:.2f} "
-        f"| {1 / r['ps_vs_allreduce']:.2f} | {r['ps_efficiency']:.2f} | {r['ps_server_imbalance']:.3f} |"
+        f"| {1 / r['ps_vs_allreduce']:.2f} | {r['ps_efficiency']:.2f} | {r['ps_server_imbalance']:.3f} "
+        f"| {_ps_input_layer(r)} |"
         for r in rows if r.get("ps_servers")
     ]
     return _table(header, lines) if lines else []

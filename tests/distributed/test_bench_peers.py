@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commsched.bench.compare import ComparisonConfig, SystemResult, compare_on_rank
+from commsched.bench.contention import contention_on_rank
 from commsched.bench.models import WORKLOADS, DemoNet, Workload
 from commsched.bench.peers import build, fsdp2_units, sgd
 from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
@@ -50,7 +51,8 @@ def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, System
                                systems=(DDP, TorchFSDP2()), show_progress=False)
     results = {"peers": compare_on_rank(rank, world_size, peers),
                "refused": compare_on_rank(rank, world_size, refused),
-               "built": {system.name: what_was_built(system) for system in PEERS}}
+               "built": {system.name: what_was_built(system) for system in PEERS},
+               "contention": contention_on_rank(rank, world_size, peers, pairs=3)}
     return results if rank == 0 else None
 
 
@@ -111,6 +113,12 @@ def test_a_model_fsdp2_cannot_shard_is_reported_and_the_rest_goes_on(compared):
     assert refusal is not None and refusal.startswith("torch FSDP2 cannot train tied:") and "shared" in refusal
     assert not results[TorchFSDP2().name].iteration_times_s
     assert results[DDP.name].unavailable is None and len(results[DDP.name].iteration_times_s) == 2
+
+
+def test_the_contention_measurement_times_each_pair_and_the_all_reduce_alone(compared):
+    measured = compared["contention"]
+    assert len(measured.compute_alone_s) == len(measured.together_s) == len(measured.allreduce_s) == 3
+    assert all(value > 0 for value in measured.compute_alone_s + measured.together_s + measured.allreduce_s)
 
 
 def test_fsdp2_blocks_are_layers_residual_blocks_and_encoder_layers():

@@ -92,6 +92,28 @@ def test_breakdown_line_from_a_summary():
     assert f"- {breakdown_line(row)}" in markdown([row])
 
 
+def test_the_bound_with_contention_scales_the_plain_bound_by_the_measured_ratio():
+    """compute 0.5 s, all-reduce 0.4 s: bound 0.5 s. Started together they took 10% and 30% longer
+    than the longer alone in two repeats; commsched took 0.7 s."""
+    def measured(together: float) -> dict:
+        return {"compute_alone_s": [0.5, 0.5, 0.52], "allreduce_s": [0.4, 0.45, 0.4],
+                "together_s": [together * 0.5, together * 0.5, together * 0.52]}
+
+    runs = [run() | {"contention": measured(1.1)}, run() | {"contention": measured(1.3)}]
+    row = summarize(CELL, runs, SYSTEMS)
+    assert row["contention_ratio"] == pytest.approx(1.2)
+    assert row["contended_bound_ms"] == pytest.approx(600)
+    assert row["contended_efficiency"] == pytest.approx(0.6 / 0.7)
+    assert "| 600 (0.86) |" in markdown([row])
+    assert breakdown_line(row).split("; ")[1] == (
+        "on these shared cores, compute and one all-reduce started together took 1.20x the longer of the two "
+        "alone: the bound with contention is 600 ms (efficiency against it: 0.86)")
+
+    earlier = summarize(CELL, [run()], SYSTEMS)  # runs saved before the measurement existed
+    assert earlier["contended_bound_ms"] is None and "| n/a |" in markdown([earlier])
+    assert "bound with contention" not in breakdown_line(earlier)
+
+
 def test_breakdown_line_never_shows_minus_zero():
     row = {"model": "m", "hosts": 2, "rate_gbit": 1.0, "commsched_ms": 100.0, "compute_ms": 90.2,
            "commsched_exposed_ms": 8.0, "commsched_updates_ms": 2.0}

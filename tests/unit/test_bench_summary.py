@@ -59,7 +59,22 @@ def test_parameter_server_bound_is_the_busiest_server_link():
     assert row["ps_speedup_vs_ddp"] == pytest.approx(2.0)
     assert row["ps_server_imbalance"] == pytest.approx(1.2)
     table = markdown([row])
-    assert "| vgg-like | 2 + 2 | 1 | 500 | 480 (480) | 2.00 | 0.80 | 0.96 | 1.200 |" in table
+    assert "| vgg-like | 2 + 2 | 1 | 500 | 480 (480) | 2.00 | 0.80 | 0.96 | 1.200 | - |" in table
+
+
+def test_the_input_layer_raises_the_parameter_servers_bound_where_its_push_hides_behind_nothing():
+    """The Transformer-like's embedding: pushed once the backward pass ends, through the one server's link."""
+    from commsched.bench.models import input_layer_share
+
+    share = input_layer_share("transformer-like")
+    ps = Commsched(Strategy(backend=ParameterServer(num_servers=1)))
+    runs = [run(0.221, 0.175, 0.4, 0.33, 0.35, 0.34)]
+    runs[0]["systems"][ps.name] = {"iteration_times_s": [0.467] * 3, "server_bytes": [20_875_000]}
+    row = summarize(Cell("transformer-like", 1.0, 2, 16, ps_servers=1), runs, (*SYSTEMS, ps))
+    assert row["ps_bound_ms"] == pytest.approx(334)
+    assert row["ps_input_layer_bound_ms"] == pytest.approx(221 + 334 * share)
+    assert row["ps_input_layer_efficiency"] == pytest.approx((0.221 + 0.334 * share) / 0.467)
+    assert f"| {221 + 334 * share:.0f} ({(0.221 + 0.334 * share) / 0.467:.2f}) |" in markdown([row])
 
 
 def test_other_parameter_server_block_sizes_are_compared_with_the_default():
