@@ -37,6 +37,8 @@ from commsched.errors import wait_work
 
 PAIRS = 6
 """Pairs (alone, together) measured per cell, after one untimed pair."""
+WAIT_S = 600.0
+"""The longest wait for one all-reduce beside the computation: a lost host fails the cell."""
 
 
 @dataclass
@@ -64,7 +66,6 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
     torch.manual_seed(0)
     run = start_run(ComputeOnly(), WORKLOADS[config.workload].build(), workers, config, rank, num_workers)
     buffer = torch.zeros(sum(p.numel() for p in run.model.parameters() if p.requires_grad))
-    timeout_s = 600.0
 
     def alone() -> float:
         dist.barrier(group=workers)
@@ -75,7 +76,7 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
         start = time.perf_counter()
         work = dist.all_reduce(buffer, group=workers, async_op=True)
         run.step()
-        wait_work(work, timeout_s)
+        wait_work(work, WAIT_S)
         return time.perf_counter() - start
 
     def allreduce() -> float:
