@@ -269,5 +269,6 @@ class BackwardPass:
         )
 
     def drop_handles(self) -> None:
-        """At exit: let go of every operation in flight (see [Note: process groups at exit])."""
+        """Let go of every operation: once the pass is over, or at exit (see [Note: process groups at exit])."""
         self._handles = [[] for _ in self._handles]
+        self._dispatcher.forget_in_flight()

@@ -47,6 +47,11 @@ class Dispatcher:
         """The backward pass is over: completions no longer issue (everything left goes now)."""
         self._backward_running = False
 
+    def forget_in_flight(self) -> None:
+        """At exit: let go of the handles of partitions in flight (see `BackwardPass.drop_handles`)."""
+        with self._lock:
+            self._executor.forget_in_flight()
+
     def issue_remaining(self) -> None:
         """Issue every partition left, whatever the window; raise what a completion thread hit."""
         with self._issuing():

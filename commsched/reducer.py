@@ -423,8 +423,12 @@ class GradientReducer:
         iteration = 0 if self.current is None else self.current.iteration + 1
         if self.current is not None:
             # Finished (synchronised): let go of it now, so that buckets laid out anew
-            # below never coexist with the old ones, which it holds.
+            # below never coexist with the old ones, which it holds. Its operations are
+            # dropped first: the pass and its dispatcher form a cycle, and operations
+            # left in it would be freed by the garbage collector, perhaps only while the
+            # interpreter finalizes (see [Note: process groups at exit]).
             self.previous_figures = self.current.figures
+            self.current.drop_handles()
             self.current = None
         if self._controller is not None:
             self._controller.pass_started(iteration, time.perf_counter())

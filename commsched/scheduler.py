@@ -229,6 +229,11 @@ class PlanExecutor:
     def mark_ready(self, bucket: int) -> None:
         self._bucket_ready[bucket] = True
 
+    def forget_in_flight(self) -> None:
+        """Let go of the handles of partitions in flight (at exit; nothing is issued after)."""
+        self._in_flight.clear()
+        self._in_flight_bytes = 0
+
     def pump(
         self,
         launch: Callable[[Partition], object],
