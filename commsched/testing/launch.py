@@ -14,6 +14,7 @@ every rank's traceback, instead of hanging the caller.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import queue
 import time
@@ -156,6 +157,13 @@ def _rank_main(
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads_per_rank)
+    # [Note: the world group outlives destroy_process_group] torch imports torch._dynamo at an
+    # optimizer's first step. Imported while a process group exists, it keeps references to the
+    # world group where the garbage collector cannot see them, so destroy_process_group() no
+    # longer frees it: the group, and gloo's threads, live on until the interpreter finalizes,
+    # where freeing it may abort a rank that reported success ("terminate called without an
+    # active exception"). Imported before the group exists, it holds none.
+    importlib.import_module("torch._dynamo")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -35,6 +35,27 @@ def rank1_dies(rank: int, world_size: int) -> None:
         os._exit(3)
 
 
+def gloo_threads_after_destroy(rank: int, world_size: int) -> list[str]:
+    """An optimizer's step (which imports torch._dynamo), then the group destroyed: its threads must go."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group()
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return [name for name in names if "gloo" in name]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names in /proc/self/task (Linux)")
+def test_destroying_the_group_frees_it_while_the_rank_runs():
+    """See [Note: the world group outlives destroy_process_group] in commsched/testing/launch.py."""
+    assert run_ranks(gloo_threads_after_destroy, 2, timeout_s=120) == [[], []]
+
+
 def test_results_come_back_in_rank_order():
     assert run_ranks(sum_of_ranks, 3, 10, timeout_s=60) == [30, 30, 30]
 
