@@ -113,6 +113,7 @@ def worker(config_path: Path, out_path: Path) -> None:
         peaks = peak_rss_in_children(config, rank, world_size, os.environ["MASTER_ADDR"],
                                      int(os.environ["MASTER_PORT"]))
     measured_memory = time.monotonic()
+    import torch._dynamo  # noqa: F401 - before the group: [Note: the world group outlives destroy_process_group]
     dist.init_process_group("gloo")
     results = compare_on_rank(rank, world_size, config)
     allreduce = allreduce_on_rank(rank, world_size, config)
