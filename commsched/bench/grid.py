@@ -148,7 +148,8 @@ def cell_spec(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int
 def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
              timeout_s: float, port: int = 29533, measure_peak_rss: bool = False, profile: bool = False) -> dict:
     """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result,
-    "contention": `commsched.bench.contention.ContentionResult`, "phases_s": seconds of the peak-RSS phase and of the comparison, "profile": ...}``.
+    "contention": result, "phases_s": seconds of the peak-RSS phase and of the comparison,
+    "profile": ...}`` (``contention``: `commsched.bench.contention.ContentionResult` as data).
 
     With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
     With ``profile``, the model is profiled on the cell's hosts after the comparison
