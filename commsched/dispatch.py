@@ -48,7 +48,7 @@ class Dispatcher:
         self._backward_running = False
 
     def forget_in_flight(self) -> None:
-        """At exit: let go of the handles of partitions in flight (see `BackwardPass.drop_handles`)."""
+        """Let go of the handles of partitions in flight (see `BackwardPass.drop_handles`)."""
         with self._lock:
             self._executor.forget_in_flight()
 

@@ -230,7 +230,7 @@ class PlanExecutor:
         self._bucket_ready[bucket] = True
 
     def forget_in_flight(self) -> None:
-        """Let go of the handles of partitions in flight (at exit; nothing is issued after)."""
+        """Let go of the handles of partitions in flight (the pass is over: nothing is issued after)."""
         self._in_flight.clear()
         self._in_flight_bytes = 0
 

@@ -60,7 +60,7 @@ def _figures(cell_runs: list[dict], name: str) -> dict:
             "commsched_partitioning": cell_runs[0]["systems"][name].get("partitioning")}
 
 
-def contention_ratios(cell_runs: list[dict]) -> list[float] | None:
+def _contention_ratios(cell_runs: list[dict]) -> list[float] | None:
     """Per repeat, the median over pairs of compute and all-reduce together over the longer alone
     ([Note: the bound with contention] in `commsched.bench.contention`); None where a run lacks them."""
     ratios = []
@@ -76,7 +76,7 @@ def contention_ratios(cell_runs: list[dict]) -> list[float] | None:
 
 def _contention(cell_runs: list[dict], bounds: list[float], ours: list[float]) -> dict:
     """The bound with contention and commsched's efficiency against it (None where not measured)."""
-    ratios = contention_ratios(cell_runs)
+    ratios = _contention_ratios(cell_runs)
     if ratios is None:
         return {"contention_ratio": None, "contended_bound_ms": None, "contended_efficiency": None}
     contended = [b * ratio for b, ratio in zip(bounds, ratios)]
