@@ -64,19 +64,29 @@ class Dispatcher:
     def _issue(self, partition: Partition) -> Handle:
         handle = self._launch(partition)
         if self._credit_from_completions:
-            self._tracker.when_complete(handle, self._on_partition_complete)
+            self._tracker.when_complete(handle, lambda: self._on_partition_complete(handle))
         return handle
 
-    def _on_partition_complete(self) -> None:
-        """Runs on a communication thread: returned credit may let the next partition go."""
+    def _on_partition_complete(self, handle: Handle) -> None:
+        """Runs on a communication thread: returned credit may let the next partition go.
+
+        The operation's own ``is_completed()`` still says False while its callbacks
+        run (torch marks the work completed after them), so ``handle`` counts as
+        completed here: read from the handle alone, its credit would come back
+        only at the next event.
+        """
         if not self._backward_running or self._issuing_thread == threading.get_ident():
             # Everything is issued at the end of backward anyway; or the partition
             # completed before its callback was attached, inside our own pump.
             return
+
+        def is_completed(other: Handle) -> bool:
+            return other is handle or other.is_completed()
+
         with self._issuing():
             try:
                 if self._backward_running:
-                    self._executor.pump(self._issue, _is_completed)
+                    self._executor.pump(self._issue, is_completed)
             except Exception as error:  # noqa: BLE001 - surfaced on the training thread
                 self._error = error
 

@@ -208,9 +208,10 @@ class Plan:
 class PlanExecutor:
     """Issues one backward pass's partitions in plan order, each once ready locally and within credit.
 
-    Driven by events (a bucket became ready; the backward pass ended); completed
-    partitions are retired from the front of the in-flight queue when an event
-    arrives, never by spinning. One executor per backward pass: it is never reset.
+    Driven by events (a bucket became ready, a partition completed, the backward
+    pass ended); completed partitions leave the in-flight queue, whatever their
+    place in it, when an event arrives, never by spinning. One executor per
+    backward pass: it is never reset.
     """
 
     def __init__(self, plan: Plan):
@@ -242,9 +243,12 @@ class PlanExecutor:
     ) -> None:
         """Issue every partition the plan, readiness and the window allow now."""
         in_flight = self._in_flight
-        while in_flight and is_completed(in_flight[0][1]):
-            pid, _ = in_flight.popleft()
-            self._in_flight_bytes -= self.partitions[pid].nbytes
+        if any(is_completed(handle) for _, handle in in_flight):
+            # Any that completed, not only from the front: gloo's threads finish side by side.
+            still = [(pid, handle) for pid, handle in in_flight if not is_completed(handle)]
+            in_flight.clear()
+            in_flight.extend(still)
+            self._in_flight_bytes = sum(self.partitions[pid].nbytes for pid, _ in still)
         plan, partitions, credit = self.plan, self.partitions, self.credit_bytes
         while self._next < len(plan):
             p = partitions[plan[self._next]]

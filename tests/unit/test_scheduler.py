@@ -172,6 +172,18 @@ def test_executor_follows_the_plan_blocks_on_readiness_and_credit():
     assert link.launched == [0, 4, 1, 2, 3] and executor.done
 
 
+def test_a_partition_that_completes_out_of_order_returns_its_credit():
+    partitions = make_partitions([100, 25], [4, 4], [9, 0], 100)
+    link = FakeLink()
+    executor = PlanExecutor(Plan(tuple(partitions), (0, 1, 2, 3, 4), credit_bytes=200))
+    executor.mark_ready(0)
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0, 1]
+    link.completed.add(1)  # gloo's two threads: the second finishes first
+    executor.pump(link.launch, link.is_completed)
+    assert link.launched == [0, 1, 2]
+
+
 def test_a_partition_larger_than_the_window_goes_alone():
     partitions = make_partitions([100], [4], [0], 400)
     link = FakeLink()
