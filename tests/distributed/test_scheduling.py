@@ -475,6 +475,36 @@ def case_status_follows_the_lifecycle(rank, world_size):
     assert status.lifecycle is W.SYNCHRONOUS and status.overlap_off_reason == "Strategy(overlap_forward=False)"
 
 
+def case_user_collectives_between_backward_and_forward(rank, world_size):
+    """The user's own collectives on the same group after backward(), some after a wait
+    on rank 0 alone, meet their peers' and sum what they should: every partition is
+    issued by the end of backward (see [Note: everything goes by the end of backward])."""
+    strategy = commsched.Strategy(partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, adaptive=False,
+                                  bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["adam"], strategy)
+    for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+        loss = F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)])
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        torch.distributed.all_reduce(mean_loss)  # logging, before step()
+        optimizer.step()
+        if rank == 0:
+            model.state_dict()  # a checkpoint on rank 0 alone: waits for this iteration's updates
+        marker = torch.full((3,), float(rank + 1))
+        torch.distributed.all_reduce(marker)  # and a metric after it, before the next forward
+        optimizer.zero_grad()
+        with torch.no_grad():
+            expected_loss = sum(
+                F.mse_loss(reference(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
+                for r in range(world_size)
+            )
+        torch.testing.assert_close(mean_loss, expected_loss, rtol=1e-4, atol=1e-6)
+        assert marker.tolist() == [world_size * (world_size + 1) / 2] * 3
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    assert commsched.status(model).overlapping
+    assert_same_parameters(model, reference)
+
+
 def case_release_then_train_locally(rank, world_size):
     """After release(), hooks are gone and step() is the optimizer's own: local training, as plain torch."""
     model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["adamw"])
@@ -512,6 +542,8 @@ def behaviours(rank: int, world_size: int) -> None:
         "forward_order_sets_priority": functools.partial(case_forward_order_sets_priority, rank, world_size),
         "status_follows_the_lifecycle": functools.partial(case_status_follows_the_lifecycle, rank, world_size),
         "release_then_train_locally": functools.partial(case_release_then_train_locally, rank, world_size),
+        "user_collectives_between_backward_and_forward": functools.partial(
+            case_user_collectives_between_backward_and_forward, rank, world_size),
     })
 
 
