@@ -54,9 +54,14 @@ class Wire:
         return handle
 
 
+PARTITION_BYTES = 2**20
+"""Large enough that no all-reduce completes before its callback is attached (a callback
+that runs at once, inside the pump, issues nothing)."""
+
+
 def dispatcher_for(order: tuple[int, ...], credit_bytes: int | None) -> tuple[Dispatcher, Wire, CallbackTracker]:
-    # bucket 0 (output side, priority 9) in two partitions of 64 KiB, bucket 1 (input side, priority 0) in one
-    partitions = make_partitions([32768, 16384], [4, 4], [9, 0], 65536)
+    # bucket 0 (output side, priority 9) in two partitions, bucket 1 (input side, priority 0) in one
+    partitions = make_partitions([2 * PARTITION_BYTES // 4, PARTITION_BYTES // 4], [4, 4], [9, 0], PARTITION_BYTES)
     wire, tracker = Wire(partitions), CallbackTracker()
     plan = Plan(tuple(partitions), order, credit_bytes, agreed=True)
     dispatcher = Dispatcher(plan, wire.launch, tracker, credit_from_completions=credit_bytes is not None)
@@ -80,7 +85,7 @@ def wait_all(wire: Wire, tracker: CallbackTracker) -> None:
 def case_a_completion_returns_its_own_credit():
     """Torch marks a work completed only after its callbacks ran: the callback must
     count its own partition as done, or the next one waits for another event."""
-    dispatcher, wire, tracker = dispatcher_for((0, 1, 2), credit_bytes=65536)
+    dispatcher, wire, tracker = dispatcher_for((0, 1, 2), credit_bytes=PARTITION_BYTES)
     dispatcher.bucket_ready(0)
     assert wire.launched == [0]  # the window holds one partition
     tracker.drain(TIMEOUT_S)  # 0's callback ran, and issued 1; then 1's
@@ -92,7 +97,7 @@ def case_a_completion_returns_its_own_credit():
 
 def case_everything_goes_by_the_end_of_backward():
     """Whatever the window holds back goes when the backward pass ends, in plan order."""
-    dispatcher, wire, tracker = dispatcher_for((0, 1, 2), credit_bytes=65536)
+    dispatcher, wire, tracker = dispatcher_for((0, 1, 2), credit_bytes=PARTITION_BYTES)
     tracker.abandon()  # completions issue nothing: only the end of backward can
     dispatcher.bucket_ready(0)
     assert wire.launched == [0]
