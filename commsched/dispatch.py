@@ -55,12 +55,14 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._issuing_thread: int | None = None
         self._error: Exception | None = None
+        self._completed_inline: list[Handle] = []
+        """Partitions whose callback ran at once, inside the pump that issued them (see `_pump`)."""
         self._backward_running = True
 
     def bucket_ready(self, bucket: int) -> None:
         with self._issuing():
             self._executor.mark_ready(bucket)
-            self._executor.pump(self._issue, _is_completed)
+            self._pump(_is_completed)
 
     def end_backward(self) -> None:
         """The backward pass is over: completions no longer issue (everything left goes now)."""
@@ -77,11 +79,24 @@ class Dispatcher:
         See [Note: everything goes by the end of backward].
         """
         with self._issuing():
-            self._executor.pump(self._issue, _is_completed, ignore_credit=True)
+            self._pump(_is_completed, ignore_credit=True)
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         assert self._executor.done, "every partition must be issued by the end of backward"
+
+    def _pump(self, is_completed: Callable[[Handle], bool], ignore_credit: bool = False) -> None:
+        """The executor's pump, again while partitions completed inside it: a partition done
+        before its callback was attached runs that callback at once, inside this pump, which
+        would otherwise keep its credit until the next event."""
+        self._executor.pump(self._issue, is_completed, ignore_credit)
+        while self._completed_inline:
+            done, self._completed_inline = self._completed_inline, []
+
+            def completed_or_done(other: Handle, done: list[Handle] = done) -> bool:
+                return any(other is d for d in done) or is_completed(other)
+
+            self._executor.pump(self._issue, completed_or_done, ignore_credit)
 
     def _issue(self, partition: Partition) -> Handle:
         handle = self._launch(partition)
@@ -97,10 +112,12 @@ class Dispatcher:
         completed here: read from the handle alone, its credit would come back
         only at the next event.
         """
-        if not self._backward_running or self._issuing_thread == threading.get_ident():
-            # Everything is issued at the end of backward anyway; or the partition
-            # completed before its callback was attached, inside our own pump.
+        if self._issuing_thread == threading.get_ident():
+            # It completed before its callback was attached, inside our own pump: that pump counts it.
+            self._completed_inline.append(handle)
             return
+        if not self._backward_running:
+            return  # everything is issued at the end of backward anyway
 
         def is_completed(other: Handle) -> bool:
             return other is handle or other.is_completed()
@@ -108,7 +125,7 @@ class Dispatcher:
         with self._issuing():
             try:
                 if self._backward_running:
-                    self._executor.pump(self._issue, is_completed)
+                    self._pump(is_completed)
             except Exception as error:  # noqa: BLE001 - surfaced on the training thread
                 self._error = error
 
