@@ -243,9 +243,9 @@ class PlanExecutor:
     ) -> None:
         """Issue every partition the plan, readiness and the window allow now."""
         in_flight = self._in_flight
-        if any(is_completed(handle) for _, handle in in_flight):
-            # Any that completed, not only from the front: gloo's threads finish side by side.
-            still = [(pid, handle) for pid, handle in in_flight if not is_completed(handle)]
+        # Any that completed leaves, not only from the front: gloo's threads finish side by side.
+        still = [(pid, handle) for pid, handle in in_flight if not is_completed(handle)]
+        if len(still) < len(in_flight):
             in_flight.clear()
             in_flight.extend(still)
             self._in_flight_bytes = sum(self.partitions[pid].nbytes for pid, _ in still)
