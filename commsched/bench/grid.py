@@ -57,9 +57,15 @@ BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
 FULL = {"rates_gbit": [0.1, 0.25, 1.0, 10.0], "hosts": [2, 4], "repeats": 3, "rounds": 3, "iterations": 5,
         "warmup": 6}
 """The grid's settings, where the command line leaves them out."""
-QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 3, "warmup": 4}
-"""``--quick``: 6 cells (3 models, 2 rates, 2 hosts), one repeat, few iterations (about 10 minutes on 2
-cores). Options given on the command line win (``--quick --hosts 4``)."""
+QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 6, "warmup": 4}
+"""``--quick``: 6 cells (3 models, 2 rates, 2 hosts), one repeat, fewer rounds (about 11 minutes on 2
+cores). Options given on the command line win (``--quick --hosts 4``).
+
+Each system is measured for 12 iterations per cell and repeat. With forward
+overlap, commsched's iterations vary more than DDP's (one pays for what the
+previous one left in flight: a standard deviation of 7% of the mean against
+2-5%), so with 2 rounds of 3 its mean moved by 5-10% between runs, as much
+as the differences the table is read for."""
 
 
 PS_TRACE_SUBDIR = "parameter-servers"
@@ -249,7 +255,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="commsched bench", description=__doc__,
                                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat, few iterations: about 10 minutes "
+                        help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat, fewer rounds: about 11 minutes "
                              "on 2 cores; options given as well win (--quick --hosts 4)")
     parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
     parser.add_argument("--rates-gbit", nargs="+", type=float, help=f"default {FULL['rates_gbit']}")
