@@ -23,12 +23,19 @@ from commsched.errors import wait_or_raise
 from commsched.events import Observer
 from commsched.layout import GradLayout
 from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.profile import fit_link
 from commsched.scheduler import LinkModel, Partition, Plan, robust_plan, simulate_schedule
 from commsched.strategy import Strategy
 from commsched.transport.base import Handle
 
 CALIBRATION_BYTES = 8 * 2**20
 """Largest all-reduce the cost model times to measure the link's bandwidth (once, at the end of warm-up)."""
+
+CALIBRATION_REPEATS = 5
+"""All-reduces timed per size to measure the link (see `link_from_samples`)."""
+
+LATENCY_REPEATS = 10
+"""One-element all-reduces timed for the round trip (see `measure_latency`)."""
 
 LINK_SAFETY_FACTOR = 0.8
 """Plan for a link this much slower than measured: a partition planned too late costs
@@ -154,46 +161,76 @@ def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: froz
     ]
 
 
-def _all_reduce_times(
-    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, repeats: int, what: str
+def _timed_all_reduce(
+    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str
 ) -> tuple[float, float]:
-    """Median wall time of an all-reduce of ``buffer``, and the CPU time of this
-    process (every thread) per second of it. Collective."""
-    samples, cpu_shares = [], []
-    for _ in range(repeats):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
-        wall = time.perf_counter() - start
-        samples.append(wall)
-        cpu_shares.append((time.process_time() - cpu_start) / max(wall, 1e-9))
-    return statistics.median(samples), statistics.median(cpu_shares)
+    """Wall time of one all-reduce of ``buffer``, and the CPU time of this process
+    (every thread) per second of it. Collective."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
+    wall = time.perf_counter() - start
+    return wall, (time.process_time() - cpu_start) / max(wall, 1e-9)
 
 
-def measure_latency(group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = 5) -> float:
-    """Median time of a one-element all-reduce on ``device`` (collective: every rank calls it)."""
-    return _all_reduce_times(torch.zeros(1, device=device), group, timeout_s, repeats,
-                             "the latency measurement before agreeing on a plan")[0]
+def measure_latency(
+    group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = LATENCY_REPEATS
+) -> float:
+    """The quickest of ``repeats`` one-element all-reduces on ``device`` (collective: every rank calls it).
+
+    The quickest, not the median: they run back to back within a millisecond or
+    two, so one slow spell of either host (a descheduled thread) covers most of
+    them, and noise only ever adds time. Their median was above 1 ms in 2 of 60
+    calibrations of a 1 Gbit/s link whose round trip is 0.2 ms, and it is the
+    floor of the fixed cost per collective (`measure_link`), so it made the cost
+    model price every collective up to twenty times too high.
+    """
+    buffer, what = torch.zeros(1, device=device), "the latency measurement before agreeing on a plan"
+    return min(_timed_all_reduce(buffer, group, timeout_s, what)[0] for _ in range(repeats))
 
 
 def measure_link(
     group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
 ) -> tuple[LinkModel, float]:
-    """An all-reduce's cost as ``a + n / b``, fitted to two sizes (``nbytes``, capped at
+    """An all-reduce's cost as ``a + n / b`` at two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
 
     ``a`` is the fixed cost of one collective at the sizes partitions have (the
     host's work and the link's latency), often well above a one-element round
     trip, and never taken below ``latency_s``, that round trip. Also returns the
     CPU time this process spends per second of the larger all-reduce (see
-    `Timeline.transport_cpu_share`).
+    `Timeline.transport_cpu_share`). The sizes take turns, after one untimed
+    all-reduce each (the first of a size sets up the transport's buffers), so
+    that a slow spell of the host slows both alike; see `link_from_samples`.
     """
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
-    small = large // 8
+    sizes = (large // 8 // 4 * 4, large)
+    buffers = [torch.zeros(size // 4, device=device) for size in sizes]
     what = "the link measurement before choosing the partitioning"
-    small_s, _ = _all_reduce_times(torch.zeros(small // 4, device=device), group, timeout_s, 3, what)
-    large_s, cpu_share = _all_reduce_times(torch.zeros(large // 4, device=device), group, timeout_s, 3, what)
-    bytes_per_s = (large - small) / max(large_s - small_s, 1e-9)
-    fixed_s = max(large_s - large / bytes_per_s, latency_s)
+    for buffer in buffers:
+        _timed_all_reduce(buffer, group, timeout_s, what)
+    samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
+               for _ in range(CALIBRATION_REPEATS)]
+    return link_from_samples(sizes, samples, latency_s)
+
+
+def link_from_samples(
+    sizes: Sequence[int], samples: Sequence[Sequence[tuple[float, float]]], latency_s: float
+) -> tuple[LinkModel, float]:
+    """The line (`fit_link`) through each size's median time, its fixed cost never below
+    ``latency_s``, and the median CPU share of the largest size.
+
+    ``samples`` holds one row per repeat: per size, (wall seconds, CPU share).
+    The fixed cost is the line extrapolated to zero bytes, so an error in one
+    size's time moves it several times over. Medians of 3, the smaller size's
+    all timed before the larger's, once gave 2.4 ms per collective where other
+    clusters of the same cell gave 0.2 to 0.4, and the cost model chose
+    partitions four times larger for it; medians of `CALIBRATION_REPEATS` keep
+    a slow spell of two samples out of the fit.
+    """
+    medians = [statistics.median(wall for wall, _ in column) for column in zip(*samples)]
+    fixed_s, bytes_per_s = fit_link(sizes, medians, latency_s)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    cpu_share = statistics.median(row[largest][1] for row in samples)
     return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
 
 

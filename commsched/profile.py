@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,27 @@ class Profile:
         if not isinstance(data, dict):
             raise ValueError(f"{path} is not a commsched profile (not a JSON object)")
         return cls.from_dict(data)
+
+
+def fit_link(sizes: Sequence[int], seconds: Sequence[float], floor_s: float = 0.0) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of the least-squares line ``seconds = latency_s + size / bytes_per_s``.
+
+    The latency is at least ``floor_s`` (a one-element all-reduce's time,
+    taken no longer than the quickest sample: it is noisy too) and positive.
+    A line that does not rise (noise, at sizes too close together) says
+    nothing about either: then the latency is that floor and the bandwidth
+    that of the largest size beyond it.
+    """
+    floor_s = min(floor_s, *seconds)
+    mean_n, mean_s = statistics.fmean(sizes), statistics.fmean(seconds)
+    spread = sum((n - mean_n) ** 2 for n in sizes)
+    slope = sum((n - mean_n) * (s - mean_s) for n, s in zip(sizes, seconds)) / spread if spread else 0.0
+    if slope > 0 and math.isfinite(slope):
+        return max(mean_s - slope * mean_n, floor_s, 1e-9), 1.0 / slope
+    latency_s = max(floor_s, 1e-9)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    beyond = seconds[largest] - latency_s
+    return latency_s, sizes[largest] / (beyond if beyond > 0 else seconds[largest])
 
 
 def _package_version() -> str:

@@ -156,3 +156,35 @@ def test_the_pace_is_judged_on_the_idle_link_where_measured():
     assert planning.pacing_link(measured) == idle
     assert planning.pacing_link(warm_up_only) == LinkModel(latency_s=0.002, bytes_per_s=5e7)
     assert planning.pacing_link(unknown) is None
+
+
+def link_samples(sizes: tuple[int, int], fixed_s: float, bytes_per_s: float, slow: dict[tuple[int, int], float]):
+    """`CALIBRATION_REPEATS` rows of (wall, CPU share) per size on the line, plus ``slow[(row, size)]`` seconds."""
+    return [[(fixed_s + n / bytes_per_s + slow.get((row, i), 0.0), 0.1 + 0.01 * row) for i, n in enumerate(sizes)]
+            for row in range(planning.CALIBRATION_REPEATS)]
+
+
+def test_the_link_calibration_keeps_a_slow_spell_out_of_the_fixed_cost():
+    sizes = (2**20, 2**23)  # the cost model's sizes for gradients of 8 MiB or more
+    fixed_s, bytes_per_s, latency_s = 0.2e-3, 119e6, 0.15e-3
+
+    def calibrated(slow):
+        return planning.link_from_samples(sizes, link_samples(sizes, fixed_s, bytes_per_s, slow), latency_s)
+
+    link, cpu_share = calibrated({})
+    assert link.latency_s == pytest.approx(fixed_s) and link.bytes_per_s == pytest.approx(bytes_per_s)
+    assert cpu_share == pytest.approx(0.12)  # the median row's share of the larger size
+    # Two of the smaller size's samples 3 ms slow: a median of three would take one
+    # of them, and the line through it would put the fixed cost near 3.6 ms.
+    link, _ = calibrated({(0, 0): 3e-3, (1, 0): 3e-3})
+    assert link.latency_s == pytest.approx(fixed_s) and link.bytes_per_s == pytest.approx(bytes_per_s)
+
+
+def test_a_link_calibration_whose_times_do_not_grow_gives_a_finite_bandwidth():
+    # Noise can make the larger all-reduce the quicker; the two-point difference
+    # then gave a bandwidth of petabytes per second.
+    sizes = (2**20, 2**23)
+    samples = [[(5e-3, 0.1), (4e-3, 0.1)] for _ in range(planning.CALIBRATION_REPEATS)]
+    link, _ = planning.link_from_samples(sizes, samples, latency_s=1e-4)
+    assert link.latency_s == pytest.approx(1e-4)
+    assert link.bytes_per_s == pytest.approx(2**23 / (4e-3 - 1e-4))

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from commsched.profile import PROFILE_VERSION, Profile
-from commsched.profiling import fit_link, measure_link, profile_model, scaled_compute
+from commsched.profile import fit_link
+from commsched.profiling import measure_link, profile_model, scaled_compute
 
 LAYERS = ("0", "2", "4")
 """The Linear layers of `three_linear`, in forward order."""
