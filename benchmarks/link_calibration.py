@@ -48,7 +48,7 @@ def worker(calibrations: int, out_path: Path) -> None:
 
 
 def run_rate(rate_gbit: float, calibrations: int, timeout_s: float, port: int) -> list[dict]:
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
         out_path = Path(tmp) / "samples.json"
@@ -58,15 +58,7 @@ def run_rate(rate_gbit: float, calibrations: int, timeout_s: float, port: int) -
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for host in range(2)
         ]
-        try:
-            errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for p, err in zip(procs, errors, strict=True):
-            if p.returncode != 0:
-                raise RuntimeError(f"a host at {rate_gbit:g} Gbit/s exited with {p.returncode}:\n{err[-3000:]}")
+        wait_for_hosts(procs, timeout_s, f"the calibrations at {rate_gbit:g} Gbit/s")
         return json.loads(out_path.read_text())
 
 

@@ -190,5 +190,18 @@ class EmulatedCluster:
         }
 
 
+def wait_for_hosts(procs: Sequence[subprocess.Popen], timeout_s: float, what: str) -> None:
+    """Wait for every host's process (started with ``stderr=PIPE, text=True``), killing any still
+    running when one outlasts ``timeout_s``; raise `RuntimeError` with the end of a failed one's stderr."""
+    try:
+        errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errors, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"a host of {what} exited with {p.returncode}:\n{err[-3000:]}")
+
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)

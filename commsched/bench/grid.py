@@ -161,7 +161,7 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
     With ``profile``, the model is profiled on the cell's hosts after the comparison
     (`commsched.bench.in_situ`) and ``"profile"`` holds it as JSON-ready data (else None).
     """
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
     spec = cell_spec(cell, chosen, rounds, iterations, warmup, measure_peak_rss, profile)
     hosts = cell.hosts + cell.ps_servers
@@ -176,15 +176,7 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
                     f"--master-port={port}", "-m", "commsched.bench.grid", "--worker", str(config_path), str(out_path)]
             procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        try:
-            errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for p, err in zip(procs, errors):
-            if p.returncode != 0:
-                raise RuntimeError(f"a host of {cell} exited with {p.returncode}:\n{err[-3000:]}")
+        wait_for_hosts(procs, timeout_s, str(cell))
         return json.loads(out_path.read_text())
 
 
