@@ -97,6 +97,9 @@ class BackwardPass:
         """Buckets not yet updated (or marked done by a plain ``optimizer.step()``)."""
         self._unowned_slots: list[int] = []
         self._globally_unused: frozenset[int] = frozenset()
+        self.views_handed: frozenset[int] = frozenset()
+        """Slots whose zeroed bucket view was made their ``.grad`` as this backward started
+        (see [Note: views ahead of backward]): without a gradient, they are None again."""
         self._flags_settled = False
         self.hyperparameters: Hyperparameters | None = None
         """Set by ``step()``: the updates are released, with these hyper-parameters."""
@@ -156,7 +159,7 @@ class BackwardPass:
         bucket = layout.buckets[index]
         self._transport.bucket_ready(bucket)
         if index == layout.flags_bucket and bucket.tail.numel():
-            bucket.tail.copy_(torch.tensor(self.has_grad, dtype=bucket.dtype))
+            bucket.tail.copy_(_host_tensor(self.has_grad, bucket.tail), non_blocking=True)
         self._launch_versions[index] = bucket.flat._version
         self._events.bucket_ready(index)
         self._dispatcher.bucket_ready(index)
@@ -179,6 +182,8 @@ class BackwardPass:
                 continue
             param, view = layout.params[slot], layout.views[slot]
             grad = None if without_gradients else param.grad
+            if grad is view and slot in self.views_handed:
+                grad = param.grad = None
             if grad is None:
                 view.zero_()
                 self._unowned_slots.append(slot)
@@ -216,6 +221,10 @@ class BackwardPass:
             self._events.bucket_updated(bucket, started, finished)
             self._updated[bucket] = True
             self.outstanding -= 1
+
+    def settled(self, bucket: int) -> bool:
+        """Nothing of this pass still writes or reads the bucket's gradients (a reduction or an update)."""
+        return self._reduced[bucket] and (self._updated[bucket] or self.hyperparameters is None)
 
     def _wait_reduced(self, bucket: int) -> None:
         started = time.perf_counter()
@@ -272,3 +281,14 @@ class BackwardPass:
         """Let go of every operation: once the pass is over, or at exit (see [Note: process groups at exit])."""
         self._handles = [[] for _ in self._handles]
         self._dispatcher.forget_in_flight()
+
+
+def _host_tensor(values: Sequence[bool], like: torch.Tensor) -> torch.Tensor:
+    """``values`` on the host, to copy into ``like`` without making the host wait.
+
+    For a CUDA tensor it is pinned: a copy from pageable memory would wait for
+    the GPU to catch up with everything launched so far, every iteration. The
+    pinned block is not reused before the copy has run (torch's host allocator
+    records the copy's stream).
+    """
+    return torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)

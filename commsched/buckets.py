@@ -102,6 +102,11 @@ class Bucket:
             _view_like(self.flat, offset, param) for offset, param in zip(self.offsets, self.params)
         ]
         self.tail = self.flat[numel:]
+        self.wire = self.flat.data
+        """The buffer as transports write it: the same memory with a version counter of its
+        own. A backend that writes results back with an in-place copy (gloo with CUDA
+        tensors) then bumps only this one, so the gradient-touch guard, which reads
+        ``flat``'s counter (shared by the gradient views), sees only the user's writes."""
 
     @property
     def dtype(self) -> torch.dtype:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
+from torch.utils._pytree import tree_leaves
 
 from commsched.autograd_context import inside_outer_backward, running_backward
 from commsched.autotune import (
@@ -59,8 +60,11 @@ from commsched.strategy import Strategy
 from commsched.trace import Tracer
 from commsched.transport.base import Transport
 from commsched.update.base import UpdatePolicy
+from commsched.views_ahead import hand_out_views, sparse_gradient_slots, take_back
 
 logger = logging.getLogger("commsched")
+
+ONE_REPLICA_REASON = "one replica: there is no reduction to hide, so every bucket is updated at step()"
 
 FAILED_DRAIN_S = 2.0
 """After a communication failure, how long the shutdown lets operations still in flight finish."""
@@ -135,6 +139,9 @@ class GradientReducer:
         self._overlap_blocked = policy.overlap_blocker
         if strategy.overlap_forward and self._overlap_blocked:
             logger.warning("commsched: overlap_forward is off: %s", self._overlap_blocked)
+        elif transport.is_local:
+            # Nothing to hide: gates and deferred updates would only cost time.
+            self._overlap_blocked = ONE_REPLICA_REASON
 
         self._events = EventBus()
         self._tracker = CallbackTracker()
@@ -155,6 +162,10 @@ class GradientReducer:
             for slot, param in enumerate(self._params)
         ]
         self._hooks.append(module.register_forward_pre_hook(self._before_forward))
+        self._hooks.append(module.register_forward_hook(self._arm_views_ahead))
+        self._sparse_slots = sparse_gradient_slots(module, self._params)
+        self._views_handed: tuple[int, ...] = ()
+        """Slots handed their views as the coming backward pass starts (see [Note: views ahead of backward])."""
         atexit.register(_at_exit, weakref.ref(self))
         if not strategy.priority:
             # Registration order reversed approximates the order gradients are produced.
@@ -435,7 +446,7 @@ class GradientReducer:
         new_order = None
         if iteration == WARMUP_ITERATIONS:
             new_order = self._finish_warmup()
-        elif self.tuning is not None and self.tuning.next_switch == iteration:
+        elif self._layout_may_change(iteration):
             new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
         self.current = BackwardPass(
@@ -443,7 +454,12 @@ class GradientReducer:
             self.strategy.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
             held_buckets=self._held_buckets(),
         )
+        self.current.views_handed, self._views_handed = frozenset(self._views_handed), ()
         self._events.iteration_started(iteration)
+
+    def _layout_may_change(self, iteration: int) -> bool:
+        """Whether the pass of ``iteration`` may lay the buckets out anew (the end of warm-up, a tuning switch)."""
+        return iteration == WARMUP_ITERATIONS or (self.tuning is not None and self.tuning.next_switch == iteration)
 
     def _end_backward(self) -> None:
         """Runs once the autograd engine has finished this backward pass."""
@@ -489,6 +505,42 @@ class GradientReducer:
         current = self.current
         if current is not None and current.outstanding and not running_backward():
             current.complete_buckets(self.updated_after_forward)
+
+    def _arm_views_ahead(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """The first output gradient of the coming backward pass hands out the bucket views."""
+        if running_backward() or not torch.is_grad_enabled():
+            return
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        armed = [True]
+
+        def on_output_gradient(grad: torch.Tensor) -> None:
+            if armed[0]:
+                armed[0] = False
+                self._hand_out_views()
+
+        for tensor in outputs:
+            tensor.register_hook(on_output_gradient)
+
+    def _hand_out_views(self) -> None:
+        """See [Note: views ahead of backward]. Runs in the backward pass, before any gradient hook."""
+        if self._phase is not Phase.IDLE or not self._sync_enabled or self.layout is None:
+            return
+        current = self.current
+        if self._layout_may_change(0 if current is None else current.iteration + 1):
+            return  # gradients in the old buckets would keep them alive beside the new ones
+        handed = hand_out_views(self.layout, (lambda bucket: True) if current is None else current.settled,
+                                self._sparse_slots)
+        if handed:
+            self._views_handed = handed
+            torch.autograd.Variable._execution_engine.queue_callback(self._take_back_unused_views)
+
+    def _take_back_unused_views(self) -> None:
+        """The backward pass is over: if it reached no parameter, no view handed out stays ``.grad``."""
+        handed, self._views_handed = self._views_handed, ()
+        if handed and self._phase is Phase.IDLE:
+            take_back(self.layout, handed)
 
     def _broadcast_buffers(self, training: bool) -> None:
         """Rank 0's buffers everywhere; under ``Join``, those of the highest rank still ``training``."""

@@ -207,7 +207,7 @@ class AllReduceTransport:
         buckets = bucket_set.buckets
         return make_partitions(
             [b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
-            bucket_set.priorities, partition_bytes,
+            bucket_set.priorities, None if self.is_local else partition_bytes,  # one replica: nothing on the wire
         )
 
     def bucket_ready(self, bucket: Bucket) -> None:
@@ -221,7 +221,7 @@ class AllReduceTransport:
         if self.is_local:
             return COMPLETED
         start, end = partition.start, partition.end
-        work = dist.all_reduce(bucket.flat[start:end], group=self.process_group, async_op=True)
+        work = dist.all_reduce(bucket.wire[start:end], group=self.process_group, async_op=True)
         return _WorkHandle(work, bucket, start, end, self)
 
     def explain_failure(self, error: CommunicationTimeout) -> None:

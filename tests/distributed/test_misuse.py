@@ -17,14 +17,15 @@ from commsched.testing.models import ParityNet
 pytestmark = pytest.mark.distributed
 
 
-def prepared(strategy=None):
+def prepared(strategy=None, device="cpu"):
     torch.manual_seed(0)
-    model = ParityNet()
+    model = ParityNet().to(device)
     return commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
 
 
 def train_step(model, optimizer):
-    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    device = next(model.parameters()).device
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 4, device=device)
     F.mse_loss(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -166,11 +167,11 @@ HANG_POINTS = {
 }
 
 
-def hung_peer(rank: int, world_size: int, hang_at: int) -> float | None:
+def hung_peer(rank: int, world_size: int, hang_at: int, device: str = "cpu") -> float | None:
     """Rank 1 stops participating before iteration ``hang_at``; rank 0 must fail after
     Strategy.timeout_s, not hang."""
     store = _get_default_store()
-    model, optimizer = prepared(commsched.Strategy(timeout_s=2.0))
+    model, optimizer = prepared(commsched.Strategy(timeout_s=2.0), device)
     for _ in range(hang_at):
         train_step(model, optimizer)
     if rank == 1:

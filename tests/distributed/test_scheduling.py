@@ -55,14 +55,15 @@ def strategy_grid():
         )
 
 
-def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITERATIONS, delays=None):
+def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITERATIONS, delays=None, device="cpu"):
     torch.manual_seed(0)
-    model = ParityNet()
+    model = ParityNet().to(device)
     reference = copy.deepcopy(model)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
     model, optimizer = commsched.prepare(model, optimizer, strategy)
     for iteration, (x, y) in enumerate(batches(world_size, iterations)):
+        x, y = x.to(device), y.to(device)
         mine = rank_slice(rank)
         if delays is not None:
             delays(iteration)
@@ -75,11 +76,11 @@ def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITE
     return model
 
 
-def scheduling_grid(rank: int, world_size: int) -> None:
+def scheduling_grid(rank: int, world_size: int, device: str = "cpu") -> None:
     cases = {}
     for (name, strategy), optimizer_name in itertools.product(strategy_grid(), OPTIMIZERS):
         cases[f"{optimizer_name}/{name}"] = functools.partial(
-            train_and_compare, rank, world_size, optimizer_name, strategy
+            train_and_compare, rank, world_size, optimizer_name, strategy, device=device
         )
     run_subtests(cases)
 
@@ -89,7 +90,7 @@ def test_every_combination_matches_single_process(ranks, world_size):
     ranks(scheduling_grid, world_size, timeout_s=400)
 
 
-def random_delays(rank: int, world_size: int) -> None:
+def random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
     """4 ranks, each with its own random compute delays in forward and backward:
     issue timing differs everywhere, the agreed order must still hold."""
     rng = random.Random(1000 + rank)
@@ -127,7 +128,7 @@ def random_delays(rank: int, world_size: int) -> None:
 
     commsched.prepare = prepare_with_delays
     try:
-        train_and_compare(rank, world_size, "adamw", strategy, iterations=120, delays=delays)
+        train_and_compare(rank, world_size, "adamw", strategy, iterations=120, delays=delays, device=device)
     finally:
         commsched.prepare = original_prepare
 

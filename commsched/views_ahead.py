@@ -1,0 +1,68 @@
+"""Gradients accumulated straight into their buckets: views handed out as backward starts.
+
+[Note: views ahead of backward] After ``zero_grad(set_to_none=True)`` (torch's
+default) every ``.grad`` is None, so autograd gives each parameter a new
+gradient tensor and the gradient hook copies it into the bucket: a Python call
+and a kernel per parameter per iteration. On a GPU whose host launches kernels
+no faster than the GPU runs them, that is time added to every step (ViT-B/16
+on an H100: about 150 copies, several milliseconds). So when the gradient of the
+model's output is computed (the first thing a backward pass through the model
+does, before any parameter's gradient exists), each parameter whose ``.grad``
+is None gets its bucket view, zeroed, and autograd accumulates into it in
+place. Only buckets whose previous reduction and update are done are touched;
+the others keep the copy. A parameter that then gets no gradient goes back to
+None when the pass ends, as does every one when the backward pass reaches no
+parameter at all (``torch.autograd.grad`` on inputs), so ``p.grad is None``
+means what it means in single-process training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from commsched.layout import GradLayout
+
+
+def sparse_gradient_slots(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> frozenset[int]:
+    """Slots of parameters whose module makes sparse gradients (``nn.Embedding(sparse=True)``).
+
+    They keep the copy, whose check refuses sparse gradients with the fix: accumulated
+    into a dense view they would silently become dense.
+    """
+    sparse = {id(p) for m in module.modules() if getattr(m, "sparse", False) is True
+              for p in m.parameters(recurse=False)}
+    return frozenset(slot for slot, param in enumerate(params) if id(param) in sparse)
+
+
+def hand_out_views(layout: GradLayout, settled: Callable[[int], bool], keep: frozenset[int]) -> tuple[int, ...]:
+    """Give every parameter whose ``.grad`` is None its bucket view, zeroed; return their slots.
+
+    ``settled(bucket)``: nothing in flight or pending reads or writes that bucket.
+    ``keep``: slots left as they are. A bucket whose gradients are all None is
+    zeroed with one kernel.
+    """
+    handed: list[int] = []
+    params, views = layout.params, layout.views
+    for bucket, slots in zip(layout.buckets, layout.bucket_slots, strict=True):
+        empty = [slot for slot in slots if params[slot].grad is None and slot not in keep]
+        if not empty or not settled(bucket.index):
+            continue
+        if len(empty) == len(slots):
+            bucket.flat[: bucket.grad_numel].zero_()
+        else:
+            for slot in empty:
+                views[slot].zero_()
+        for slot in empty:
+            params[slot].grad = views[slot]
+        handed.extend(empty)
+    return tuple(handed)
+
+
+def take_back(layout: GradLayout, slots: Sequence[int]) -> None:
+    """The pass reached none of these parameters: ``.grad`` is None again."""
+    for slot in slots:
+        param = layout.params[slot]
+        if param.grad is layout.views[slot]:
+            param.grad = None
