@@ -164,7 +164,7 @@ class GradientReducer:
         self._hooks.append(module.register_forward_pre_hook(self._before_forward))
         self._hooks.append(module.register_forward_hook(self._arm_views_ahead))
         self._sparse_slots = sparse_gradient_slots(module, self._params)
-        self._views_handed: tuple[int, ...] = ()
+        self._views_handed: frozenset[int] = frozenset()
         """Slots handed their views as the coming backward pass starts (see [Note: views ahead of backward])."""
         atexit.register(_at_exit, weakref.ref(self))
         if not strategy.priority:
@@ -454,7 +454,7 @@ class GradientReducer:
             self.strategy.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
             held_buckets=self._held_buckets(),
         )
-        self.current.views_handed, self._views_handed = frozenset(self._views_handed), ()
+        self.current.views_handed, self._views_handed = self._views_handed, frozenset()
         self._events.iteration_started(iteration)
 
     def _layout_may_change(self, iteration: int) -> bool:
@@ -538,7 +538,7 @@ class GradientReducer:
 
     def _take_back_unused_views(self) -> None:
         """The backward pass is over: if it reached no parameter, no view handed out stays ``.grad``."""
-        handed, self._views_handed = self._views_handed, ()
+        handed, self._views_handed = self._views_handed, frozenset()
         if handed and self._phase is Phase.IDLE:
             take_back(self.layout, handed)
 

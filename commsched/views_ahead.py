@@ -18,7 +18,7 @@ means what it means in single-process training.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ def sparse_gradient_slots(module: torch.nn.Module, params: Sequence[torch.nn.Par
     return frozenset(slot for slot, param in enumerate(params) if id(param) in sparse)
 
 
-def hand_out_views(layout: GradLayout, settled: Callable[[int], bool], keep: frozenset[int]) -> tuple[int, ...]:
+def hand_out_views(layout: GradLayout, settled: Callable[[int], bool], keep: frozenset[int]) -> frozenset[int]:
     """Give every parameter whose ``.grad`` is None its bucket view, zeroed; return their slots.
 
     ``settled(bucket)``: nothing in flight or pending reads or writes that bucket.
@@ -57,10 +57,10 @@ def hand_out_views(layout: GradLayout, settled: Callable[[int], bool], keep: fro
         for slot in empty:
             params[slot].grad = views[slot]
         handed.extend(empty)
-    return tuple(handed)
+    return frozenset(handed)
 
 
-def take_back(layout: GradLayout, slots: Sequence[int]) -> None:
+def take_back(layout: GradLayout, slots: Iterable[int]) -> None:
     """The pass reached none of these parameters: ``.grad`` is None again."""
     for slot in slots:
         param = layout.params[slot]

@@ -17,7 +17,13 @@ import commsched
 from commsched.reducer import ONE_REPLICA_REASON
 from commsched.testing import run_ranks, run_subtests
 from tests.distributed.test_misuse import HANG_POINTS, hung_peer
-from tests.distributed.test_scheduling import ITERATIONS, random_delays, scheduling_grid, train_and_compare
+from tests.distributed.test_scheduling import (
+    ITERATIONS,
+    collected_logs,
+    random_delays,
+    scheduling_grid,
+    train_and_compare,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,20 +38,10 @@ def overlap_engages(rank: int, world_size: int, device: str) -> None:
     gloo writes a CUDA tensor's result back with an in-place copy; the guard must
     not take that for the user's write (see ``Bucket.wire``).
     """
-    warnings: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                warnings.append(record.getMessage())
-
-    handler = Collect()
-    logging.getLogger("commsched").addHandler(handler)
-    try:
+    with collected_logs() as records:
         model = train_and_compare(rank, world_size, "sgd", commsched.Strategy(), iterations=ITERATIONS + 4,
                                   device=device)
-    finally:
-        logging.getLogger("commsched").removeHandler(handler)
+    warnings = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
     status = commsched.status(model)
     if world_size == 1:
         assert status.overlap_off_reason == ONE_REPLICA_REASON, status
