@@ -15,8 +15,9 @@ with the CPU time it costs. The bound of a cell is max(compute alone, one
 all-reduce); efficiency is bound / iteration time. The parameter-server
 bound is max(compute alone, the busiest server link): every worker pushes
 that server's bytes in and pulls them out, so its link carries workers x
-bytes in each direction at the link rate. *best DDP* is the fastest of every
-torch DDP system.
+bytes in each direction. That link is timed as well, like the all-reduce
+(`commsched.bench.server_link`); the table gives its time at the link's
+rate beside it. *best DDP* is the fastest of every torch DDP system.
 
 Before the comparison, each system's peak RSS is measured on its own
 (`commsched.bench.memory`), once per model, hosts and batch size (memory
@@ -106,6 +107,7 @@ def worker(config_path: Path, out_path: Path) -> None:
     from commsched.bench.compare import ComparisonConfig, allreduce_on_rank, compare_on_rank
     from commsched.bench.contention import contention_on_rank
     from commsched.bench.memory import peak_rss_in_children
+    from commsched.bench.server_link import server_link_on_rank
 
     torch.set_num_threads(1)
     spec = json.loads(config_path.read_text())
@@ -123,6 +125,7 @@ def worker(config_path: Path, out_path: Path) -> None:
     dist.init_process_group("gloo")
     results = compare_on_rank(rank, world_size, config)
     allreduce = allreduce_on_rank(rank, world_size, config)
+    server_link = server_link_on_rank(rank, world_size, config)
     contention = contention_on_rank(rank, world_size, config)
     profile = None
     if take_profile:
@@ -135,6 +138,7 @@ def worker(config_path: Path, out_path: Path) -> None:
         phases_s = {"peak_rss": measured_memory - started, "comparison": time.monotonic() - measured_memory}
         out_path.write_text(json.dumps({"systems": {name: asdict(r) for name, r in results.items()},
                                         "allreduce": asdict(allreduce), "contention": asdict(contention),
+                                        "server_link": None if server_link is None else asdict(server_link),
                                         "phases_s": phases_s,
                                         "profile": profile}))
     dist.destroy_process_group()
@@ -154,8 +158,9 @@ def cell_spec(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int
 def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int, warmup: int,
              timeout_s: float, port: int = 29533, measure_peak_rss: bool = False, profile: bool = False) -> dict:
     """One run of ``cell`` on a fresh cluster: ``{"systems": {name: result}, "allreduce": result,
-    "contention": result, "phases_s": seconds of the peak-RSS phase and of the comparison,
-    "profile": ...}`` (``contention``: `commsched.bench.contention.ContentionResult` as data).
+    "contention": result, "server_link": result or None, "phases_s": seconds of the peak-RSS phase and
+    of the comparison, "profile": ...}`` (``contention``: `commsched.bench.contention.ContentionResult` as
+    data; ``server_link``: `commsched.bench.server_link`, None without parameter servers).
 
     With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
     With ``profile``, the model is profiled on the cell's hosts after the comparison

@@ -16,6 +16,7 @@ from commsched.bench.compare import ComparisonConfig, SystemResult, compare_on_r
 from commsched.bench.contention import contention_on_rank
 from commsched.bench.models import WORKLOADS, DemoNet, Workload
 from commsched.bench.peers import build, fsdp2_units, sgd
+from commsched.bench.server_link import server_link_on_rank
 from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
 from commsched.strategy import Strategy
 from commsched.testing import run_ranks
@@ -52,7 +53,9 @@ def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, System
     results = {"peers": compare_on_rank(rank, world_size, peers),
                "refused": compare_on_rank(rank, world_size, refused),
                "built": {system.name: what_was_built(system) for system in PEERS},
-               "contention": contention_on_rank(rank, world_size, peers, pairs=3)}
+               "contention": contention_on_rank(rank, world_size, peers, pairs=3),
+               "server_link": server_link_on_rank(rank, world_size, ComparisonConfig(rounds=2, num_servers=1)),
+               "no_server_link": server_link_on_rank(rank, world_size, peers)}
     return results if rank == 0 else None
 
 
@@ -119,6 +122,13 @@ def test_the_contention_measurement_times_each_pair_and_the_all_reduce_alone(com
     measured = compared["contention"]
     assert len(measured.compute_alone_s) == len(measured.together_s) == len(measured.allreduce_s) == 3
     assert all(value > 0 for value in measured.compute_alone_s + measured.together_s + measured.allreduce_s)
+
+
+def test_the_server_link_is_timed_per_round_with_servers_and_not_at_all_without(compared):
+    """[Note: the measured server link]: rank 0 (a worker) reports the slowest rank's time per round."""
+    measured = compared["server_link"]
+    assert len(measured.iteration_times_s) == 5 and all(value > 0 for value in measured.iteration_times_s)
+    assert compared["no_server_link"] is None
 
 
 def test_fsdp2_blocks_are_layers_residual_blocks_and_encoder_layers():

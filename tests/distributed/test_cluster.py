@@ -111,3 +111,5 @@ def test_bench_runs_one_cell_with_torchrun_on_every_host():
     assert {s.name for s in chosen} <= set(result["systems"]) and ComputeOnly().name in result["systems"]
     row = summarize(cell, [result], chosen)
     assert row["bound_ms"] > 0 and row["commsched_ms"] > 0 and row["ps_ms"] > 0 and row["ps_bound_ms"] > 0
+    # [Note: the measured server link]: the bytes crossed the shaped link (its burst aside, no faster than its rate).
+    assert row["ps_measured_link_ms"] > 0.9 * row["ps_link_bound_ms"]

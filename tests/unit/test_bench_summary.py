@@ -46,20 +46,37 @@ def test_table_and_plot(tmp_path):
     assert plot(rows, tmp_path / "speedup.png").stat().st_size > 5000
 
 
-def test_parameter_server_bound_is_the_busiest_server_link():
-    ps = Commsched(Strategy(backend=ParameterServer(num_servers=2)))
-    cell = Cell("vgg-like", 1.0, 2, 64, ps_servers=2)
-    runs = [run(0.1, 0.4, 1.0, 0.9, 0.95, 0.625)]
-    runs[0]["systems"][ps.name] = {"iteration_times_s": [0.5] * 3, "server_bytes": [30_000_000, 20_000_000]}
-    row = summarize(cell, runs, (*SYSTEMS, ps))
-    # 2 workers push (and pull) the busiest server's 30 MB over 1 Gbit/s links: 0.48 s each way.
+def ps_run(*times, ps_s, server_bytes, server_link_s):
+    """A run with the parameter-server system and the measured server link ([Note: the measured server link])."""
+    ps = Commsched(Strategy(backend=ParameterServer(num_servers=len(server_bytes))))
+    result = run(*times)
+    result["systems"][ps.name] = {"iteration_times_s": [ps_s] * 3, "server_bytes": server_bytes}
+    result["server_link"] = {"iteration_times_s": [server_link_s, server_link_s * 2, server_link_s], "cpu_times_s": []}
+    return ps, result
+
+
+def test_parameter_server_bound_is_the_busiest_server_link_as_measured():
+    ps, measured = ps_run(0.1, 0.4, 1.0, 0.9, 0.95, 0.625, ps_s=0.6, server_bytes=[30_000_000, 20_000_000],
+                          server_link_s=0.42)
+    row = summarize(Cell("vgg-like", 1.0, 2, 64, ps_servers=2), [measured], (*SYSTEMS, ps))
+    # 2 workers push (and pull) the busiest server's 30 MB over 1 Gbit/s links: 0.48 s each way at the
+    # rate. Measured with even shares of 25 MB: 0.42 s (the median), so 0.504 s for 30 MB.
     assert row["ps_link_bound_ms"] == pytest.approx(480)
-    assert row["ps_bound_ms"] == pytest.approx(480)
-    assert row["ps_efficiency"] == pytest.approx(0.48 / 0.5)
-    assert row["ps_speedup_vs_ddp"] == pytest.approx(2.0)
+    assert row["ps_measured_link_ms"] == pytest.approx(504)
+    assert row["ps_bound_ms"] == pytest.approx(504)
+    assert row["ps_efficiency"] == pytest.approx(0.504 / 0.6)
+    assert row["ps_speedup_vs_ddp"] == pytest.approx(1.0 / 0.6)
     assert row["ps_server_imbalance"] == pytest.approx(1.2)
     table = markdown([row])
-    assert "| vgg-like | 2 + 2 | 1 | 500 | 480 (480) | 2.00 | 0.80 | 0.96 | 1.200 | - |" in table
+    assert "| vgg-like | 2 + 2 | 1 | 600 | 504 (504 / 480) | 1.67 | 0.96 | 0.84 | 1.200 | - |" in table
+
+
+def test_parameter_server_bound_is_the_computation_where_it_takes_longer():
+    ps, measured = ps_run(0.55, 0.4, 1.0, 0.9, 0.95, 0.625, ps_s=0.6, server_bytes=[30_000_000],
+                          server_link_s=0.5)
+    row = summarize(Cell("vgg-like", 1.0, 2, 64, ps_servers=1), [measured], (*SYSTEMS, ps))
+    assert row["ps_measured_link_ms"] == pytest.approx(500)
+    assert row["ps_bound_ms"] == pytest.approx(550)
 
 
 def test_the_input_layer_raises_the_parameter_servers_bound_where_its_push_hides_behind_nothing():
@@ -67,14 +84,15 @@ def test_the_input_layer_raises_the_parameter_servers_bound_where_its_push_hides
     from commsched.bench.models import input_layer_share
 
     share = input_layer_share("transformer-like")
-    ps = Commsched(Strategy(backend=ParameterServer(num_servers=1)))
-    runs = [run(0.221, 0.175, 0.4, 0.33, 0.35, 0.34)]
-    runs[0]["systems"][ps.name] = {"iteration_times_s": [0.467] * 3, "server_bytes": [20_875_000]}
-    row = summarize(Cell("transformer-like", 1.0, 2, 16, ps_servers=1), runs, (*SYSTEMS, ps))
-    assert row["ps_bound_ms"] == pytest.approx(334)
-    assert row["ps_input_layer_bound_ms"] == pytest.approx(221 + 334 * share)
-    assert row["ps_input_layer_efficiency"] == pytest.approx((0.221 + 0.334 * share) / 0.467)
-    assert f"| {221 + 334 * share:.0f} ({(0.221 + 0.334 * share) / 0.467:.2f}) |" in markdown([row])
+    ps, measured = ps_run(0.221, 0.175, 0.4, 0.33, 0.35, 0.34, ps_s=0.467, server_bytes=[20_875_000],
+                          server_link_s=0.35)
+    row = summarize(Cell("transformer-like", 1.0, 2, 16, ps_servers=1), [measured], (*SYSTEMS, ps))
+    assert row["ps_link_bound_ms"] == pytest.approx(334)
+    assert row["ps_bound_ms"] == pytest.approx(350)
+    # The input layer's pushes are priced like the link as measured: 350 ms for what the rate gives 334.
+    assert row["ps_input_layer_bound_ms"] == pytest.approx(221 + 350 * share)
+    assert row["ps_input_layer_efficiency"] == pytest.approx((0.221 + 0.350 * share) / 0.467)
+    assert f"| {221 + 350 * share:.0f} ({(0.221 + 0.350 * share) / 0.467:.2f}) |" in markdown([row])
 
 
 def test_other_parameter_server_block_sizes_are_compared_with_the_default():
@@ -91,6 +109,7 @@ def test_other_parameter_server_block_sizes_are_compared_with_the_default():
             variants[0].name: {"iteration_times_s": [big_s] * 3, "server_bytes": [30_000_000]},
             variants[1].name: {"iteration_times_s": [small_s] * 3, "server_bytes": [30_000_000]},
         })
+        runs[-1]["server_link"] = {"iteration_times_s": [0.3] * 3, "cpu_times_s": []}
     row = summarize(cell, runs, (*SYSTEMS, *[s for s in chosen if isinstance(s, Commsched) and s.num_servers]))
     assert row["ps_ms"] == pytest.approx(500)  # the default's, not a variant's
     assert row["ps_variants"]["block_mb=1"] == pytest.approx({"ms": 550, "vs_default": 1.1})
