@@ -316,6 +316,11 @@ def serve(base: torch.nn.Module, config: ComparisonConfig) -> None:
         raise RuntimeError("parameter server failed: " + "; ".join(failures))
 
 
+def gradient_elements(workload: str) -> int:
+    """How many gradient elements one replica of ``workload`` reduces per iteration."""
+    return sum(p.numel() for p in WORKLOADS[workload].build().parameters() if p.requires_grad)
+
+
 def allreduce_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> SystemResult | None:
     """Time one all-reduce of a buffer as large as all gradients, on the workers.
 
@@ -326,8 +331,7 @@ def allreduce_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> S
     workers = worker_group(world_size, config.num_servers)
     if rank >= world_size - config.num_servers:
         return None
-    model = WORKLOADS[config.workload].build()
-    buffer = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+    buffer = torch.zeros(gradient_elements(config.workload))
     result = SystemResult()
     for _ in range(max(3, config.rounds)):
         dist.barrier(group=workers)

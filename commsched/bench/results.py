@@ -145,14 +145,12 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
         server_bytes = runs[0]["systems"][name]["server_bytes"]
         link_s = cell.hosts * max(server_bytes) * 8 / (cell.rate_gbit * 1e9)
         # [Note: the measured server link]: timed with even shares, scaled to the busiest server.
-        busiest = max(server_bytes) / statistics.fmean(server_bytes)
-        measured_link = [statistics.median(r["server_link"]["iteration_times_s"]) * busiest for r in runs]
+        even_link = [statistics.median(r["server_link"]["iteration_times_s"]) for r in runs]
+        measured_link = [e * max(server_bytes) / statistics.fmean(server_bytes) for e in even_link]
         ps_bounds = [max(c, m) for c, m in zip(compute, measured_link)]
         # The input layer's pushes can start only when the backward pass ends, and its pulls (the
         # last one aside) overlap them: at best its bytes are spread evenly over the servers' links.
-        # Priced like the link, as measured.
-        input_push_s = cell.hosts * share * sum(server_bytes) / len(server_bytes) * 8 / (cell.rate_gbit * 1e9)
-        ps_input_bounds = [max(b, c + input_push_s * m / link_s) for b, c, m in zip(ps_bounds, compute, measured_link)]
+        ps_input_bounds = [max(b, c + share * e) for b, c, e in zip(ps_bounds, compute, even_link)]
         ps = {
             "ps_ms": statistics.median(ps_times) * 1e3,
             "ps_link_bound_ms": link_s * 1e3,

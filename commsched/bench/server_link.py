@@ -18,8 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commsched.bench.compare import ComparisonConfig, SystemResult
-from commsched.bench.models import WORKLOADS
+from commsched.bench.compare import ComparisonConfig, SystemResult, gradient_elements
 
 
 def server_link_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> SystemResult | None:
@@ -29,8 +28,7 @@ def server_link_on_rank(rank: int, world_size: int, config: ComparisonConfig) ->
     servers = config.num_servers
     if servers == 0:
         return None
-    model = WORKLOADS[config.workload].build()
-    share = -(-sum(p.numel() for p in model.parameters() if p.requires_grad) // servers)
+    share = -(-gradient_elements(config.workload) // servers)
     first_server = world_size - servers
     peers = range(first_server) if rank >= first_server else range(first_server, world_size)
     outgoing = {peer: torch.ones(share) for peer in peers}
