@@ -20,6 +20,13 @@ does not depend on how the machine's speed drifts over the cell; the results
 (`commsched.bench.results`) scale the plain bound by the median ratio. A
 commsched iteration above that bound lost time to its schedule, to dispatch or
 to noise; the part of the plain bound's gap below it is the cores'.
+
+Every time is the slowest worker's: a data-parallel iteration ends when its
+last rank does. The cores' price falls unevenly: at 1 Gbit/s one rank's
+backward pass often ran 20 to 45 ms longer than the other's, which rank
+alternating between iterations, under torch DDP as under commsched
+(docs/benchmarks.md). Rank 0's own times missed it whenever rank 0 was the
+faster one.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ WAIT_S = 600.0
 
 @dataclass
 class ContentionResult:
-    """Rank 0's timings, pair by pair (plain data, so it travels as JSON)."""
+    """Rank 0's record of the slowest worker's timings, pair by pair (plain data, so it travels as JSON)."""
 
     compute_alone_s: list[float] = field(default_factory=list)
     together_s: list[float] = field(default_factory=list)
@@ -57,7 +64,7 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
     """Measure the bound with contention (see the module's note) on the workers.
 
     Collective over the world (server ranks only help build the workers' group);
-    rank 0 returns the timings, other ranks None.
+    rank 0 returns the slowest worker's timings, other ranks None.
     """
     workers = worker_group(world_size, config.num_servers)
     num_workers = world_size - config.num_servers
@@ -67,9 +74,14 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
     run = start_run(ComputeOnly(), WORKLOADS[config.workload].build(), workers, config, rank, num_workers)
     buffer = torch.zeros(sum(p.numel() for p in run.model.parameters() if p.requires_grad))
 
+    def slowest(seconds: float) -> float:
+        measured = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=workers)
+        return float(measured)
+
     def alone() -> float:
         dist.barrier(group=workers)
-        return run.step()
+        return slowest(run.step())
 
     def together() -> float:
         dist.barrier(group=workers)
@@ -77,13 +89,13 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
         work = dist.all_reduce(buffer, group=workers, async_op=True)
         run.step()
         wait_work(work, WAIT_S)
-        return time.perf_counter() - start
+        return slowest(time.perf_counter() - start)
 
     def allreduce() -> float:
         dist.barrier(group=workers)
         start = time.perf_counter()
         dist.all_reduce(buffer, group=workers)
-        return time.perf_counter() - start
+        return slowest(time.perf_counter() - start)
 
     result = ContentionResult()
     together(), alone()  # untimed: the first of each may set up buffers

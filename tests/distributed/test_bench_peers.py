@@ -6,6 +6,7 @@ One spawned group of two ranks runs every comparison; the tests read its results
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -43,9 +44,27 @@ class TiedNet(nn.Module):
         return self.layers(x)
 
 
+SLOW_S = 0.05
+"""How much longer rank 1 computes than rank 0 in `SlowOnRankOne`."""
+
+
+class SlowOnRankOne(nn.Module):
+    """A model whose forward pass takes `SLOW_S` longer on rank 1: the other rank is the faster one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            time.sleep(SLOW_S)
+        return self.linear(x)
+
+
 def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, SystemResult]] | None:
     """Every comparison the tests check, in one group of processes."""
     WORKLOADS["tied"] = Workload("tied", TiedNet, (8,))
+    WORKLOADS["slow-on-rank-1"] = Workload("slow-on-rank-1", SlowOnRankOne, (8,))
     peers = ComparisonConfig(workload="demo-mlp", batch_size=8, iterations=2, rounds=2, warmup=4,
                              systems=(DDP, *PEERS, OURS, OFF), show_progress=False)
     refused = ComparisonConfig(workload="tied", batch_size=8, iterations=2, rounds=1, warmup=2,
@@ -54,6 +73,9 @@ def compare_everything(rank: int, world_size: int) -> dict[str, dict[str, System
                "refused": compare_on_rank(rank, world_size, refused),
                "built": {system.name: what_was_built(system) for system in PEERS},
                "contention": contention_on_rank(rank, world_size, peers, pairs=3),
+               "uneven_contention": contention_on_rank(
+                   rank, world_size, ComparisonConfig(workload="slow-on-rank-1", batch_size=8, show_progress=False),
+                   pairs=2),
                "server_link": server_link_on_rank(rank, world_size, ComparisonConfig(rounds=2, num_servers=1)),
                "no_server_link": server_link_on_rank(rank, world_size, peers)}
     return results if rank == 0 else None
@@ -122,6 +144,14 @@ def test_the_contention_measurement_times_each_pair_and_the_all_reduce_alone(com
     measured = compared["contention"]
     assert len(measured.compute_alone_s) == len(measured.together_s) == len(measured.allreduce_s) == 3
     assert all(value > 0 for value in measured.compute_alone_s + measured.together_s + measured.allreduce_s)
+
+
+def test_the_contention_measurement_reports_the_slowest_worker(compared):
+    """[Note: the bound with contention]: an iteration ends with its slowest rank, so rank 0, the
+    faster here, reports rank 1's computation, alone and beside the all-reduce."""
+    measured = compared["uneven_contention"]
+    assert len(measured.compute_alone_s) == len(measured.together_s) == 2
+    assert min(measured.compute_alone_s + measured.together_s) >= SLOW_S
 
 
 def test_the_server_link_is_timed_per_round_with_servers_and_not_at_all_without(compared):
