@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(action=_demo)
 
     trace = commands.add_parser(
-        "trace-report", help="per iteration: time, communication exposed, overlap; and a Gantt chart"
+        "trace-report",
+        help="per iteration: time, communication exposed, overlap, backward time; the ranks' spread; a Gantt chart",
     )
     trace.add_argument("directory", type=Path, help="the Strategy(trace_dir=...) directory")
     trace.add_argument("--iteration", type=int, help="iteration to draw (default: the last full one)")

@@ -7,8 +7,13 @@ Per iteration (from one forward pass to the next) of each rank:
 - wire busy: the union of its partitions' time on the wire;
 - exposed: the time the compute row was blocked waiting for communication
   (the ``gates`` row: forward gates, the end-of-backward wait, synchronize);
-- overlap: the share of wire time that was not exposed, 1 - exposed / busy.
+- overlap: the share of wire time that was not exposed, 1 - exposed / busy;
+- backward: from the first module's backward span to the last one's end.
 
+With several ranks it also gives how much longer the slowest rank's backward
+pass took than the fastest's, per iteration (median): every rank's iteration
+waits at the end of backward for the slowest one's last partitions, so that
+time shows as "exposed" on the faster ranks although no schedule can hide it.
 It also draws a Gantt chart of one iteration, all rows of all ranks.
 """
 
@@ -30,6 +35,8 @@ class IterationSummary:
     time_ms: float
     wire_busy_ms: float
     exposed_ms: float
+    backward_ms: float | None = None
+    """None where the iteration has no backward span (a step without backward)."""
 
     @property
     def overlap(self) -> float:
@@ -70,11 +77,20 @@ def _clipped(events: list[dict], start: float, stop: float) -> list[tuple[float,
     return out
 
 
+def _extent_ms(events: list[dict], start: float, stop: float) -> float | None:
+    """From the first of ``events`` starting in ``[start, stop)`` to the last one's end."""
+    inside = [e for e in events if start <= e["ts"] < stop]
+    if not inside:
+        return None
+    return (max(e["ts"] + e["dur"] for e in inside) - min(e["ts"] for e in inside)) / 1e3
+
+
 def summarize(events: list[dict], rank: int) -> list[IterationSummary]:
     iterations = sorted((e for e in events if e["tid"] == "compute" and e["name"] == "iteration"),
                         key=lambda e: e["ts"])
     wire = [e for e in events if e["tid"] == "wire"]
     gates = [e for e in events if e["tid"] == "gates"]
+    backward = [e for e in events if e["tid"] == "compute" and e["name"].startswith("backward ")]
     summaries = []
     for it in iterations:
         start, stop = it["ts"], it["ts"] + it["dur"]
@@ -82,8 +98,21 @@ def summarize(events: list[dict], rank: int) -> list[IterationSummary]:
             rank=rank, iteration=it["args"].get("iteration", -1), start_us=start, time_ms=it["dur"] / 1e3,
             wire_busy_ms=_union_ms(_clipped(wire, start, stop)),
             exposed_ms=_union_ms(_clipped(gates, start, stop)),
+            backward_ms=_extent_ms(backward, start, stop),
         ))
     return summaries
+
+
+def backward_spread_ms(per_rank: dict[int, list[IterationSummary]]) -> list[float]:
+    """Per iteration every rank traced with a backward pass: the slowest rank's backward
+    time minus the fastest's."""
+    by_iteration: dict[int, dict[int, float]] = {}
+    for rank, summaries in per_rank.items():
+        for s in summaries:
+            if s.backward_ms is not None:
+                by_iteration.setdefault(s.iteration, {})[rank] = s.backward_ms
+    return [max(times.values()) - min(times.values())
+            for _, times in sorted(by_iteration.items()) if len(times) == len(per_rank)]
 
 
 def draw_gantt(traces: dict[int, list[dict]], window: tuple[float, float], path: Path) -> Path:
@@ -116,17 +145,26 @@ def report(directory: Path, iteration: int | None = None, png: Path | None = Non
     """The report as text; the Gantt chart of ``iteration`` (default: the last full one) in ``png``."""
     traces = load_traces(directory)
     per_rank = {rank: summarize(events, rank) for rank, events in traces.items()}
-    lines = [f"{'rank':>4} {'iteration':>9} {'time ms':>9} {'wire busy ms':>13} {'exposed ms':>11} {'overlap':>8}"]
+    lines = [f"{'rank':>4} {'iteration':>9} {'time ms':>9} {'wire busy ms':>13} {'exposed ms':>11} {'overlap':>8} "
+             f"{'backward ms':>12}"]
     for rank, summaries in per_rank.items():
         for s in summaries:
+            backward = "-" if s.backward_ms is None else f"{s.backward_ms:.1f}"
             lines.append(f"{rank:>4} {s.iteration:>9} {s.time_ms:9.1f} {s.wire_busy_ms:13.1f} "
-                         f"{s.exposed_ms:11.1f} {s.overlap:8.0%}")
+                         f"{s.exposed_ms:11.1f} {s.overlap:8.0%} {backward:>12}")
     everything = [s for summaries in per_rank.values() for s in summaries]
     if everything:
         lines.append(
-            f"median over {len(everything)} rank-iterations: time {statistics.median(s.time_ms for s in everything):.1f} ms, "
+            f"median over {len(everything)} rank-iterations: "
+            f"time {statistics.median(s.time_ms for s in everything):.1f} ms, "
             f"exposed {statistics.median(s.exposed_ms for s in everything):.1f} ms, "
             f"overlap {statistics.median(s.overlap for s in everything):.0%}"
+        )
+    spread = backward_spread_ms(per_rank) if len(per_rank) > 1 else []
+    if spread:
+        lines.append(
+            f"the slowest rank's backward pass took {statistics.median(spread):.1f} ms longer than the fastest's "
+            f"(median over {len(spread)} iterations; the faster ranks wait for it at the end of backward)"
         )
     rank0 = per_rank.get(min(per_rank), [])
     if png is not None and rank0:

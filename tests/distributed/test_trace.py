@@ -63,6 +63,7 @@ def test_trace_files_spans_and_report(ranks, tmp_path):
             assert e["ts"] >= q["ts"] + q["dur"] - 1.0, (e, q)
     text = report(tmp_path, png=tmp_path / "gantt.png")
     assert "overlap" in text and f"median over {2 * ITERATIONS} rank-iterations" in text
+    assert "the slowest rank's backward pass took" in text
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
 
 
