@@ -321,6 +321,14 @@ def gradient_elements(workload: str) -> int:
     return sum(p.numel() for p in WORKLOADS[workload].build().parameters() if p.requires_grad)
 
 
+def slowest_s(seconds: float, group: dist.ProcessGroup | None = None) -> float:
+    """The largest of every rank's ``seconds`` in ``group`` (default: the world): what a
+    synchronous step costs is its slowest rank's time. Collective."""
+    measured = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    return float(measured)
+
+
 def allreduce_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> SystemResult | None:
     """Time one all-reduce of a buffer as large as all gradients, on the workers.
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from commsched.bench.compare import ComparisonConfig, start_run, worker_group
+from commsched.bench.compare import ComparisonConfig, gradient_elements, slowest_s, start_run, worker_group
 from commsched.bench.models import WORKLOADS
 from commsched.bench.systems import ComputeOnly
 from commsched.errors import wait_work
@@ -72,12 +72,10 @@ def contention_on_rank(rank: int, world_size: int, config: ComparisonConfig,
         return None
     torch.manual_seed(0)
     run = start_run(ComputeOnly(), WORKLOADS[config.workload].build(), workers, config, rank, num_workers)
-    buffer = torch.zeros(sum(p.numel() for p in run.model.parameters() if p.requires_grad))
+    buffer = torch.zeros(gradient_elements(config.workload))
 
     def slowest(seconds: float) -> float:
-        measured = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=workers)
-        return float(measured)
+        return slowest_s(seconds, workers)
 
     def alone() -> float:
         dist.barrier(group=workers)

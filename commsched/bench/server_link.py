@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commsched.bench.compare import ComparisonConfig, SystemResult, gradient_elements
+from commsched.bench.compare import ComparisonConfig, SystemResult, gradient_elements, slowest_s
 
 
 def server_link_on_rank(rank: int, world_size: int, config: ComparisonConfig) -> SystemResult | None:
@@ -41,7 +41,5 @@ def server_link_on_rank(rank: int, world_size: int, config: ComparisonConfig) ->
         works += [dist.isend(outgoing[peer], dst=peer) for peer in peers]
         for work in works:
             work.wait()
-        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        result.iteration_times_s.append(float(slowest))
+        result.iteration_times_s.append(slowest_s(time.perf_counter() - start))
     return result if rank == 0 else None
