@@ -74,7 +74,7 @@ class CellResult:
 
 # ------------------------------------------------------------------ the hosts
 def grid_settings(space, start, credit_ratios, overlap):
-    from commsched.autotune import TunedSetting
+    from commsched.layout.setting import LayoutSetting
 
     settings = []
     for partition in space.partition_mb:
@@ -82,15 +82,16 @@ def grid_settings(space, start, credit_ratios, overlap):
         for ratio in credit_ratios:
             credit = None if ratio is None else max(256 / 2**20, unit * ratio)
             for on in overlap:
-                settings.append(TunedSetting(partition, credit, start.bucket_cap_mb, start.first_bucket_mb, on))
+                settings.append(LayoutSetting(partition, credit, start.bucket_cap_mb, start.first_bucket_mb, on))
     return settings
 
 
 def make_grid_controller(settings, rounds, strategy):
     """Rank 0's controller for the grid: every setting, in alternating order, then stop."""
-    from commsched.autotune import (
-        SETTLE_ITERATIONS, Controller, Decision, Phase, SearchSpace, TunedSetting, TuningConfig,
-    )
+    from commsched.layout.setting import LayoutSetting
+    from commsched.tuning.controller import SETTLE_ITERATIONS, Controller, TuningConfig
+    from commsched.tuning.decision import Decision, Phase
+    from commsched.tuning.space import SearchSpace
 
     class GridController(Controller):
         def __init__(self):
@@ -98,7 +99,7 @@ def make_grid_controller(settings, rounds, strategy):
             super().__init__(SearchSpace.around(1, start, True), start, strategy, TuningConfig.of(strategy))
             self.order = [s for r in range(rounds) for s in (settings if r % 2 == 0 else settings[::-1])]
             self.index = 0
-            self.medians: dict[TunedSetting, list[float]] = {}
+            self.medians: dict[LayoutSetting, list[float]] = {}
 
         def decide(self, iteration):
             if self.index and self._samples:
@@ -121,9 +122,10 @@ def worker(spec_path: Path, out_path: Path) -> None:
     import torch.nn.functional as F
 
     import commsched
-    from commsched.autotune import SearchSpace, TunedSetting
     from commsched.bench.models import WORKLOADS
+    from commsched.layout.setting import LayoutSetting
     from commsched.strategy import Strategy
+    from commsched.tuning.space import SearchSpace
 
     torch.set_num_threads(1)
     spec = json.loads(spec_path.read_text())
@@ -154,7 +156,7 @@ def worker(spec_path: Path, out_path: Path) -> None:
     step(model, optimizer)  # the first forward records the order; the layout exists from here on
     reducer = model._commsched_reducer
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    start = TunedSetting.of(strategy)
+    start = LayoutSetting.of(strategy)
     space = SearchSpace.around(gradient_bytes, start, overlap_allowed=True)
     settings = grid_settings(space, start, spec["credit_ratios"], spec["overlap"])
     if rank == 0:
@@ -203,7 +205,7 @@ def worker(spec_path: Path, out_path: Path) -> None:
 
 def _tuning_iterations(tuning) -> int:
     """Iterations from the end of warm-up to the adoption of the best setting."""
-    from commsched.lifecycle import WARMUP_ITERATIONS
+    from commsched.engine.lifecycle import WARMUP_ITERATIONS
 
     adopted = [i for i, _ in tuning.changes]
     return (max(adopted) if adopted else WARMUP_ITERATIONS) - WARMUP_ITERATIONS

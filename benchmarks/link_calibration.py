@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/link_calibration.py --rates-gbit 1 0.25 --calibrations 60
 
 The cost model prices a partitioning with the link it measures once, at the
-end of warm-up (`commsched.planning.calibrate`): a round trip, and a line
+end of warm-up (`commsched.planning.plans.calibrate`): a round trip, and a line
 ``fixed cost + bytes / bandwidth`` through all-reduces of two sizes. One
 calibration that comes out wrong decides the partitioning for the whole run,
 so what matters is how often it is far off, not its median. Per link rate,
@@ -33,7 +33,7 @@ def worker(calibrations: int, out_path: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from commsched.planning import measure_latency, measure_link
+    from commsched.planning.calibration import measure_latency, measure_link
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

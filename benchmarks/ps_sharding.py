@@ -17,10 +17,10 @@ import argparse
 import torch
 
 from commsched.bench.models import WORKLOADS
-from commsched.buckets import bucket_layout
-from commsched.order import ForwardRecorder
+from commsched.layout.buckets import bucket_layout
 from commsched.ps.sharding import plan_model_sharding
 from commsched.strategy import ParameterServer, Strategy
+from commsched.watch.first_forward import ForwardRecorder
 
 MODELS = ("vgg-like", "resnet-like", "transformer-like")
 

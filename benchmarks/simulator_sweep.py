@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from commsched.profile import ParameterProfile, Profile
+from commsched.profiling.profile import ParameterProfile, Profile
 from commsched.simulator import Cluster, DDPConfig, best_strategy, bound_s, simulate, strategy_space
 from commsched.strategy import Strategy
 

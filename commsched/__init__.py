@@ -25,8 +25,8 @@ reducer
     issuing partitions in one order on every rank.
 server
     with ``Strategy(backend=ParameterServer(...))``, one of the last
-    ``num_servers`` ranks: it holds blocks, runs the optimizer on them and
-    sends the new values back.
+    ``num_servers`` ranks (`is_server_rank`): it calls `serve`, holds blocks,
+    runs the optimizer on them and sends the new values back.
 strategy
     the single, validated object holding every knob (`Strategy`).
 transport / update policy
@@ -34,12 +34,13 @@ transport / update policy
     where the optimizer runs.
 """
 
-from commsched.api import ServingFinished, prepare, release, status
-from commsched.buckets import compute_bucket_assignment_by_size
+from commsched.api import ServingFinished, prepare, release, serve, status
+from commsched.engine.lifecycle import Lifecycle
 from commsched.errors import CommunicationTimeout
-from commsched.lifecycle import Lifecycle
-from commsched.module import CommschedModule
-from commsched.optim import CommschedOptimizer
+from commsched.layout.buckets import compute_bucket_assignment_by_size
+from commsched.prepared.module import CommschedModule
+from commsched.prepared.optimizer import CommschedOptimizer
+from commsched.ps.roles import is_server_rank
 from commsched.status import Status
 from commsched.strategy import AllReduce, ParameterServer, Strategy
 
@@ -54,8 +55,10 @@ __all__ = [
     "Status",
     "Strategy",
     "compute_bucket_assignment_by_size",
+    "is_server_rank",
     "prepare",
     "release",
+    "serve",
     "status",
 ]
 __version__ = "0.1.0"

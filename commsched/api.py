@@ -1,20 +1,23 @@
-"""`prepare()`, `release()` and `status()`: validate, make the ranks agree, build one of each part.
+"""`prepare()`, `serve()`, `release()` and `status()`: validate, make the ranks agree, build one of each part.
 
 `prepare` picks the backend's two parts, a `Transport` (what goes on the wire)
 and an `UpdatePolicy` (where the optimizer runs), hands them to a
 `GradientReducer`, and mixes commsched's behaviour into the model's and the
 optimizer's classes. This is the only place that knows which backend is which.
+With parameter servers, the server ranks call `serve` instead of `prepare`.
 """
 
 from __future__ import annotations
 
+import enum
+import warnings
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
 
-from commsched.consistency import (
+from commsched.comm.agreement import (
     broadcast_from_rank0,
     checks_entry,
     describe_setup,
@@ -22,16 +25,19 @@ from commsched.consistency import (
     verify_same_across_ranks,
     verify_setup_across_ranks,
 )
-from commsched.control import control_group_for, side_group_for
-from commsched.foreign_optimizers import watch_foreign_optimizers
-from commsched.module import CommschedModule
-from commsched.optim import CommschedOptimizer
+from commsched.comm.allreduce import AllReduceTransport
+from commsched.comm.side_groups import control_group_for, side_group_for
+from commsched.engine.config import RunConfig
+from commsched.engine.groups import ProcessGroups
+from commsched.engine.reducer import GradientReducer
+from commsched.prepared.foreign_optimizers import watch_foreign_optimizers
+from commsched.prepared.module import CommschedModule
+from commsched.prepared.optimizer import CommschedOptimizer
 from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
+from commsched.ps.roles import is_server_rank
 from commsched.ps.server import ParameterServer, ServerReport
-from commsched.reducer import GradientReducer
 from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
-from commsched.transport.allreduce import AllReduceTransport
 from commsched.update.kinds import USER_CLASS_ATTRIBUTE
 from commsched.update.local import LocalUpdate
 
@@ -53,30 +59,31 @@ def prepare(
     Rank 0's parameters and buffers are copied to every rank, gradient buckets
     are built, and hooks are attached. The same objects come back, with
     ``model.no_sync()`` and ``optimizer.synchronize()`` added; use them exactly
-    as before.
+    as before. With parameter servers, the server ranks call `serve` instead.
     """
-    strategy = Strategy() if strategy is None else strategy
-    if not isinstance(strategy, Strategy):
-        raise ValueError(f"strategy must be a commsched.Strategy, got {type(strategy).__name__}")
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, CommschedModule):
-        raise RuntimeError(
-            "commsched.prepare() was already called on this model; call it once per model "
-            "and keep using the model it returned"
-        )
-    group, control_group = _agree(model, optimizer, strategy, process_group)
+    strategy = _checked_strategy(strategy)
+    _check_model(model)
+    group, control_group = _agree(model, optimizer, strategy, process_group, _Entry.PREPARE)
+    config = RunConfig.of(strategy)
     if strategy.parameter_server:
         side = join_parameter_server_job(model, optimizer, strategy)
         if isinstance(side, ParameterServer):
+            warnings.warn(
+                f"commsched.prepare() was called on parameter-server rank {dist.get_rank()}: it serves until "
+                "every worker has finished, then ends the process by raising commsched.ServingFinished (a "
+                "SystemExit). Call commsched.serve(model, optimizer, strategy) on the server ranks instead "
+                "(commsched.is_server_rank(num_servers) tells which); prepare() will stop serving in a "
+                "later release.",
+                DeprecationWarning, stacklevel=2,
+            )
             raise ServingFinished(side.serve())
-        reducer = GradientReducer(model, strategy, side.transport, side.policy, side.worker_group, side.buffer_group)
+        groups = ProcessGroups(side.worker_group, side.buffer_group or side.worker_group, side.worker_group)
+        reducer = GradientReducer(model, config, side.transport, side.policy, groups)
     else:
-        transport = AllReduceTransport(group)
-        reducer = GradientReducer(
-            model, strategy, transport, LocalUpdate(optimizer, strategy), group, _buffer_group(strategy, group),
-            control_group,
-        )
+        groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)
+        policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
+                             overlap_forward=strategy.overlap_forward)
+        reducer = GradientReducer(model, config, AllReduceTransport(group), policy, groups)
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it
@@ -87,8 +94,25 @@ def prepare(
     return model, optimizer
 
 
+def serve(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> ServerReport:
+    """On a parameter-server rank: serve the workers' `prepare` until every one has finished.
+
+    Collective with the workers' ``prepare(model, optimizer, strategy)``: every
+    rank passes the same model, optimizer and strategy. Returns what this server
+    did; the script then ends, or goes on with work of its own. Raises
+    ``ValueError`` (on every rank) if this rank is a worker.
+    """
+    strategy = _checked_strategy(strategy)
+    _check_model(model)
+    _agree(model, optimizer, strategy, None, _Entry.SERVE)
+    server = join_parameter_server_job(model, optimizer, strategy)
+    assert isinstance(server, ParameterServer), "the role was checked on every rank by _agree"
+    return server.serve()
+
+
 class ServingFinished(SystemExit):
-    """Raised by `prepare` on a parameter-server rank once every worker has finished.
+    """Raised by `prepare` on a parameter-server rank once every worker has finished (deprecated:
+    call `serve` on server ranks).
 
     A `SystemExit` with code 0: uncaught, the server process ends cleanly and
     the training code after ``prepare()`` never runs there. ``report`` says
@@ -100,11 +124,37 @@ class ServingFinished(SystemExit):
         self.report = report
 
 
+class _Entry(enum.Enum):
+    """Which call is agreeing: the roles it allows differ."""
+
+    PREPARE = "prepare"
+    SERVE = "serve"
+    PREPARE_SERVER = "prepare_server"
+
+
+def _checked_strategy(strategy: Strategy | None) -> Strategy:
+    strategy = Strategy() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise ValueError(f"strategy must be a commsched.Strategy, got {type(strategy).__name__}")
+    return strategy
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, CommschedModule):
+        raise RuntimeError(
+            "commsched.prepare() was already called on this model; call it once per model "
+            "and keep using the model it returned"
+        )
+
+
 def _agree(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     strategy: Strategy,
     process_group: dist.ProcessGroup | None,
+    entry: _Entry,
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Validate, check that every rank has the same model and setup, copy rank 0's values.
 
@@ -112,12 +162,12 @@ def _agree(
     every rank raises instead of the others waiting for it. The model is
     compared first: a parameter missing on one rank would otherwise show as a
     different optimizer. Returns the group and its control group (see
-    [Note: control messages] in commsched/control.py), on which the checks ran.
+    [Note: control messages] in commsched/comm/side_groups.py), on which the checks ran.
     """
     group = _resolve_process_group(process_group)
     control = control_group_for(group)
     try:
-        _check_locally(model, optimizer, strategy, group)
+        _check_locally(model, optimizer, strategy, group, entry)
         setup = [checks_entry(None), *describe_setup(strategy, model, optimizer)]
         problem = None
     except Exception as error:  # noqa: BLE001 - the other ranks must hear of any failure
@@ -134,13 +184,19 @@ def _agree(
 
 
 def _check_locally(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy, group: dist.ProcessGroup
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    group: dist.ProcessGroup,
+    entry: _Entry,
 ) -> None:
     """What this rank can check without the others."""
     if optimizer is not None:
         _check_optimizer(model, optimizer)
     if strategy.parameter_server:
         check_parameter_server_setup(optimizer, group)
+    if entry is not _Entry.PREPARE:
+        _check_serving(strategy, entry)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"the model ({type(model).__name__}) has no parameter with requires_grad=True, so there is "
@@ -150,18 +206,33 @@ def _check_locally(
 
 
 def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> ParameterServer:
-    """On a server rank, what `prepare` does, returning the server instead of serving.
+    """On a server rank, what `serve` does, returning the server instead of serving.
 
     For code that runs several parameter-server jobs at once (each
-    `ParameterServer.serve` on a thread of its own); ``prepare`` is simpler.
+    `ParameterServer.serve` on a thread of its own); `serve` is simpler.
     """
-    if not strategy.parameter_server:
-        raise ValueError("prepare_server() needs Strategy(backend=ParameterServer(...))")
-    _agree(model, optimizer, strategy, None)
+    strategy = _checked_strategy(strategy)
+    _agree(model, optimizer, strategy, None, _Entry.PREPARE_SERVER)
     server = join_parameter_server_job(model, optimizer, strategy)
-    if not isinstance(server, ParameterServer):
-        raise RuntimeError(f"rank {dist.get_rank()} is a worker, not a server; call prepare() there")
+    assert isinstance(server, ParameterServer), "the role was checked on every rank by _agree"
     return server
+
+
+def _check_serving(strategy: Strategy, entry: _Entry) -> None:
+    """`serve` and `prepare_server` run on the server ranks of a parameter-server job only."""
+    if not strategy.parameter_server:
+        raise ValueError(
+            f"commsched.{entry.value}() runs a parameter server, but the strategy's backend is "
+            f"{type(strategy.backend).__name__}(); pass Strategy(backend=ParameterServer(...)), or call "
+            "commsched.prepare() for the all-reduce backend"
+        )
+    rank = dist.get_rank()
+    if not is_server_rank(strategy.backend.num_servers):
+        raise ValueError(
+            f"commsched.{entry.value}() was called on rank {rank}, a worker of this parameter-server job "
+            f"(the last {strategy.backend.num_servers} rank(s) serve): call commsched.prepare() there, and "
+            f"{entry.value}() only where commsched.is_server_rank({strategy.backend.num_servers}) is True"
+        )
 
 
 def release(model: torch.nn.Module) -> None:
@@ -195,7 +266,7 @@ def _buffer_group(strategy: Strategy, group: dist.ProcessGroup) -> dist.ProcessG
     model with BatchNorm would lose the overlap), and an operation issued
     beside partitions still being issued could take a different place on each
     rank. So they go on ``group``'s side group (see [Note: side groups] in
-    commsched/control.py).
+    commsched/comm/side_groups.py).
     """
     if not strategy.overlap_forward or dist.get_world_size(group) == 1:
         return None

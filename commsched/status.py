@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from commsched.autotune import Phase, TunedSetting
-from commsched.backward_pass import IterationFigures
-from commsched.lifecycle import Lifecycle
-from commsched.reducer import GradientReducer
+from commsched.engine.backward_pass import IterationFigures
+from commsched.engine.groups import ProcessGroups
+from commsched.engine.lifecycle import Lifecycle
+from commsched.engine.reducer import GradientReducer
+from commsched.layout.setting import LayoutSetting
+from commsched.tuning.decision import Phase
+from commsched.tuning.log import TuningLog
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class BucketStatus:
 
 @dataclass(frozen=True)
 class TrialStatus:
-    setting: TunedSetting
+    setting: LayoutSetting
     median_ms: float
     """Median iteration time measured with it (inf: nothing was measured)."""
 
@@ -46,10 +49,10 @@ class TuningStatus:
     """The trials of the latest search, in the order they ran."""
     searches: int
     """Searches so far (1, plus one per re-tune)."""
-    current: TunedSetting | None
-    best: TunedSetting | None
+    current: LayoutSetting | None
+    best: LayoutSetting | None
     """The fastest setting measured in the latest search."""
-    changes: tuple[tuple[int, TunedSetting], ...]
+    changes: tuple[tuple[int, LayoutSetting], ...]
     """Every setting taken into use, with the iteration it took effect at."""
     baseline_ms: float | None
     """Once tuned: the median iteration time drift is measured against."""
@@ -102,6 +105,9 @@ class Status:
     """The bucket size limit in use."""
     first_bucket_mb: float | None = None
     """The first bucket's size limit in use."""
+    process_groups: ProcessGroups | None = None
+    """The groups the model communicates on (replicas, buffer broadcasts, control messages); None
+    once released. The buffer and control groups are commsched's side groups where it needs them."""
 
     @property
     def overlapping(self) -> bool:
@@ -162,6 +168,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
     else:
         plan_text = "buckets in the order their gradients are ready (torch DDP's)"
     transport = reducer.transport.describe()
+    gating, layout_in_use, groups = reducer.gating, reducer.config.layout, reducer.groups
     return Status(
         lifecycle=reducer.lifecycle,
         iterations=0 if current is None else current.iteration + 1,
@@ -174,15 +181,16 @@ def reducer_status(reducer: GradientReducer) -> Status:
         server_bytes=transport.server_bytes,
         current_iteration=None if current is None else replace(current.figures),
         previous_iteration=None if reducer.previous_figures is None else replace(reducer.previous_figures),
-        updated_at_step=reducer.updated_at_step,
-        updated_after_forward=reducer.updated_after_forward,
-        gated_at_forward_start=reducer.gated_at_forward_start,
-        partition_mb=reducer.effective_strategy.partition_mb,
-        credit_mb=reducer.effective_strategy.credit_mb,
+        updated_at_step=gating.updated_at_step,
+        updated_after_forward=gating.updated_after_forward,
+        gated_at_forward_start=gating.gated_at_forward_start,
+        partition_mb=layout_in_use.partition_mb,
+        credit_mb=layout_in_use.credit_mb,
         partitioning=_partitioning(reducer),
         tuning=_tuning(reducer),
-        bucket_cap_mb=reducer.effective_strategy.bucket_cap_mb,
-        first_bucket_mb=reducer.effective_strategy.first_bucket_mb,
+        bucket_cap_mb=layout_in_use.bucket_cap_mb,
+        first_bucket_mb=layout_in_use.first_bucket_mb,
+        process_groups=None if groups.replicas is None else replace(groups),
     )
 
 
@@ -190,9 +198,9 @@ _PHASES = {Phase.TUNING: "tuning", Phase.TUNED: "tuned", Phase.RETUNING: "re-tun
 
 
 def _tuning(reducer: GradientReducer) -> TuningStatus | None:
-    log = reducer.tuning
-    if log is None:
+    if reducer.config.tuning is None:
         return None
+    log = TuningLog() if reducer.tuning is None else reducer.tuning.log
     if log.current is None:
         return TuningStatus("warm-up", "tuning starts when warm-up ends", (), 0, None, None, (), None)
     trials = tuple(TrialStatus(t.setting, t.median_s * 1e3) for t in (log.studies[-1] if log.studies else ()))
@@ -205,11 +213,11 @@ def _tuning(reducer: GradientReducer) -> TuningStatus | None:
 
 
 def _partitioning(reducer: GradientReducer) -> str:
-    if reducer.tuning is not None and reducer.tuning.current is not None:
+    if reducer.tuning is not None and reducer.tuning.log.current is not None:
         return "the auto-tuner's setting in use (see auto-tuning)"
     choice = reducer.choice
     if choice is None:
-        if reducer.adapts and reducer.lifecycle is not Lifecycle.RELEASED:
+        if reducer.config.adaptive and reducer.lifecycle is not Lifecycle.RELEASED:
             return "as configured until warm-up ends; then the cost model's choice"
         return "as configured (Strategy.adaptive is off or does not apply)"
     if choice.predictions:

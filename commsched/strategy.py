@@ -191,7 +191,7 @@ class Strategy:
     iterations each, starting from the cost model's choice, with a Bayesian
     optimiser (optuna, ``pip install commsched[tune]``), and every rank adopts
     the fastest; a later change of iteration time of more than 20% starts a new
-    search (see [Note: auto-tuning] in commsched/autotune.py). The values given
+    search (see [Note: auto-tuning] in commsched/tuning.py). The values given
     here are the starting point when ``adaptive=False``. Needs the all-reduce
     backend and ``priority=True``."""
 
@@ -302,14 +302,11 @@ class Strategy:
         never held back by a large, late one sharing its bucket. The same holds for
         a parameter server's blocks (`ParameterServer.block_mb`).
         """
-        unit_mb = [mb for mb in (self.partition_mb, self._block_mb) if mb is not None]
-        cap_mb = min([self.bucket_cap_mb, *unit_mb])
-        first_mb = min(self.first_bucket_mb, cap_mb)
-        return [int(first_mb * MIB), int(cap_mb * MIB)]
+        return bucket_size_limits_bytes(self.bucket_cap_mb, self.first_bucket_mb, self.partition_mb, self._block_mb)
 
     @property
     def partition_bytes(self) -> int | None:
-        return None if self.partition_mb is None else max(1, int(self.partition_mb * MIB))
+        return size_bytes(self.partition_mb)
 
     @property
     def ps_block_bytes(self) -> int:
@@ -325,7 +322,7 @@ class Strategy:
 
     @property
     def credit_bytes(self) -> int | None:
-        return None if self.credit_mb is None else max(1, int(self.credit_mb * MIB))
+        return size_bytes(self.credit_mb)
 
     def describe(self) -> str:
         """One line with every field, for logs (the deprecated inputs left out)."""
@@ -333,6 +330,23 @@ class Strategy:
 
 
 _FLAT_FIELDS = ("num_servers", "ps_mode", "ps_max_staleness")
+
+
+def size_bytes(mb: float | None) -> int | None:
+    """A size in MiB as whole bytes, at least one (None stays None: no limit)."""
+    return None if mb is None else max(1, int(mb * MIB))
+
+
+def bucket_size_limits_bytes(
+    bucket_cap_mb: float, first_bucket_mb: float, partition_mb: float | None, block_mb: float | None = None
+) -> list[int]:
+    """The first bucket's and every other bucket's size limit, in bytes: the caps, each
+    cut to the unit on the wire (the partition, a parameter server's block) where set.
+    See `Strategy.bucket_size_limits_bytes`."""
+    unit_mb = [mb for mb in (partition_mb, block_mb) if mb is not None]
+    cap_mb = min([bucket_cap_mb, *unit_mb])
+    first_mb = min(first_bucket_mb, cap_mb)
+    return [int(first_mb * MIB), int(cap_mb * MIB)]
 
 
 def _backend_from_flat_fields(

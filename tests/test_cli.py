@@ -188,7 +188,7 @@ def test_the_torchvision_release_for_a_torch_release():
 
 def test_a_measured_link_carries_its_host_cost_and_slowdown_into_every_cluster():
     from commsched.bench.plan import cluster_for, plan
-    from commsched.profile import LinkProfile, LinkSample, ParameterProfile, Profile
+    from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
 
     link = LinkProfile(world_size=2, samples=(LinkSample(2**16, 1e-3), LinkSample(2**20, 2e-3)),
                        latency_s=1e-3, bytes_per_s=1e9, compute_slowdown=0.25)

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.api import prepare_server
-from commsched.backward_pass import IterationFigures
 from commsched.bench.models import WORKLOADS, Workload
 from commsched.bench.peers import PeerUnavailable, build, sgd
 from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2
+from commsched.engine.backward_pass import IterationFigures
 from commsched.strategy import Strategy
 
 

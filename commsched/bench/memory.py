@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 import commsched
-from commsched.bench.compare import ComparisonConfig, served, serve, start_or_explain, worker_group
+from commsched.bench.compare import ComparisonConfig, serve, served, start_or_explain, worker_group
 from commsched.bench.models import WORKLOADS
 from commsched.bench.systems import Commsched, System
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 
 RSS_ITERATIONS = WARMUP_ITERATIONS + 2
 """commsched's warm-up iterations, the one that plans, and one with forward overlap:

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from commsched.trace import ROWS
+from commsched.engine.trace import ROWS
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from commsched.ps.config import JobConfig
 from commsched.ps.push_pull import ParameterServerTransport
 from commsched.ps.remote_update import ServerSideUpdate
 from commsched.ps.roles import FailureBoard, PSRoles
@@ -66,14 +67,15 @@ def join_parameter_server_job(
     """A worker's transport and update policy, or this rank's server.
 
     Collective over the default group (every rank, servers included, creates
-    every group). `commsched.prepare` serves on a server rank; code that runs
+    every group). `commsched.serve` serves on a server rank; code that runs
     several parameter-server jobs at once (the benchmark) runs each
     `ParameterServer.serve` on a thread of its own.
     """
     global _jobs_started
-    config = strategy.backend
-    assert isinstance(config, ParameterServerConfig)
-    roles = PSRoles.of_world(config.num_servers)
+    backend = strategy.backend
+    assert isinstance(backend, ParameterServerConfig)
+    config = JobConfig.of(strategy)
+    roles = PSRoles.of_world(backend.num_servers)
     worker_group = dist.new_group(roles.workers)
     buffer_group = None
     if strategy.overlap_forward and strategy.broadcast_buffers and len(roles.workers) > 1:
@@ -82,7 +84,7 @@ def join_parameter_server_job(
     _jobs_started += 1
     board = FailureBoard(f"commsched/ps/{_jobs_started}")
     if roles.is_server:
-        return ParameterServer(model, optimizer, strategy, roles, transport_group, board)
+        return ParameterServer(model, optimizer, config, roles, transport_group, board)
     params = [p for _, p in model.named_parameters() if p.requires_grad]
-    transport = ParameterServerTransport(strategy, roles, transport_group, optimizer, params, board)
+    transport = ParameterServerTransport(config, roles, transport_group, optimizer, params, board)
     return WorkerSide(transport, ServerSideUpdate(transport), worker_group, buffer_group)

@@ -22,17 +22,24 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import Bucket, BucketSet
+from commsched.comm.transport import TransportStatus
 from commsched.errors import CommunicationTimeout, communication_timeout, wait_work
+from commsched.layout.buckets import Bucket, BucketSet
+from commsched.layout.partitions import Partition
+from commsched.ps.config import JobConfig
 from commsched.ps.protocol import (
-    HEADER_TAG, LAYOUT_TAG, PLAN_TAG, Command, make_header, pull_tag, push_tag, trailer_length,
+    HEADER_TAG,
+    LAYOUT_TAG,
+    PLAN_TAG,
+    Command,
+    make_header,
+    pull_tag,
+    push_tag,
+    trailer_length,
 )
 from commsched.ps.receive import Completion, ReceiveWaiter
 from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.sharding import ShardingPlan, plan_model_sharding
-from commsched.scheduler import Partition
-from commsched.strategy import Strategy
-from commsched.transport.base import TransportStatus
 from commsched.update.kinds import encode_hyperparameters, encoded_length, hyperparameter_snapshot, optimizer_kind
 
 logger = logging.getLogger("commsched")
@@ -72,17 +79,22 @@ class ParameterServerTransport:
 
     is_local = False
     sums_usage_flags = False
+    join_refusal = (
+        "Join (uneven inputs) is not supported with Strategy(backend=ParameterServer(...)): in sync mode "
+        "the servers wait for every worker's gradients. Give every worker the same number of batches "
+        "(DistributedSampler(drop_last=True)), or use mode='async'."
+    )
 
     def __init__(
         self,
-        strategy: Strategy,
+        config: JobConfig,
         roles: PSRoles,
         group: dist.ProcessGroup,
         optimizer: torch.optim.Optimizer,
         params: Sequence[torch.nn.Parameter],
         board: FailureBoard,
     ):
-        self.strategy = strategy
+        self.config = config
         self.roles = roles
         self.group = group
         """This job's own group of every rank, for its point-to-point traffic only, so that
@@ -102,21 +114,21 @@ class ParameterServerTransport:
         """Headers (and plans) in flight, each with what it is and to which server."""
         self._sent_hyperparameters: list[dict[str, object]] | None = None
         self._iteration = -1
-        self._waiters = {rank: ReceiveWaiter(rank, strategy.timeout_s) for rank in roles.servers}
+        self._waiters = {rank: ReceiveWaiter(rank, config.timeout_s) for rank in roles.servers}
         self.finished = False
 
     # ----------------------------------------------------------------- layout
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         """Tell the servers the layout (rank 0), plan the blocks, allocate the buffers.
 
-        The blocks are the strategy's (`Strategy.ps_block_bytes`): the servers
+        The blocks are the job's (`JobConfig.block_bytes`): the servers
         derive the same ones, so ``partition_bytes`` is not used."""
         if self.roles.rank == self.roles.workers[0]:
             order = torch.tensor(list(bucket_set.forward_order), dtype=torch.int64)
             for server in self.roles.servers:
                 dist.send(order, dst=server, tag=LAYOUT_TAG, group=self.group)
         self.plan = plan_model_sharding(
-            self.params, bucket_set.bucket_slots, bucket_set.priorities, self.strategy.ps_block_bytes,
+            self.params, bucket_set.bucket_slots, bucket_set.priorities, self.config.block_bytes,
             len(self.roles.servers),
         )
         buckets = bucket_set.buckets
@@ -133,7 +145,7 @@ class ParameterServerTransport:
 
     def describe(self) -> TransportStatus:
         servers = len(self.roles.servers)
-        description = (f"parameter servers ({self.strategy.backend.mode}): {self.world_size} workers, {servers} "
+        description = (f"parameter servers ({self.config.mode}): {self.world_size} workers, {servers} "
                        f"server{'s' if servers > 1 else ''} (ranks {', '.join(map(str, self.roles.servers))})")
         if self.plan is None:
             return TransportStatus(description)
@@ -208,11 +220,11 @@ class ParameterServerTransport:
                 logger.warning("commsched: could not tell every parameter server that rank %d finished",
                                self.roles.rank, exc_info=True)
         for waiter in self._waiters.values():
-            waiter.stop(timeout_s=min(self.strategy.timeout_s, 30.0))
+            waiter.stop(timeout_s=min(self.config.timeout_s, 30.0))
 
     def explain_failure(self, error: CommunicationTimeout) -> None:
         """Name the lost rank if a peer notes it soon (a server sees a worker vanish at once)."""
-        note = self.board.wait_for_failure(min(self.strategy.timeout_s, NOTE_WAIT_S))
+        note = self.board.wait_for_failure(min(self.config.timeout_s, NOTE_WAIT_S))
         if note:
             raise CommunicationTimeout(f"{error} A peer reported: {note}.") from error
 
@@ -243,9 +255,9 @@ class ParameterServerTransport:
     def _wait_all(self, works: Sequence[dist.Work], what: str) -> None:
         for work in works:
             try:
-                wait_work(work, self.strategy.timeout_s)
+                wait_work(work, self.config.timeout_s)
             except RuntimeError as error:
-                self.raise_lost(what, error, self.strategy.timeout_s)
+                self.raise_lost(what, error, self.config.timeout_s)
 
     def raise_lost(self, what: str, error: BaseException | None, timeout_s: float) -> None:
         """Raise `CommunicationTimeout` naming the rank that was lost, if a peer noted it."""

@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from commsched.layout.partitions import Partition
 from commsched.ps.protocol import ACK_TAG, PARAMS_TAG, STATE_TAG, Command, state_message_length
 from commsched.ps.push_pull import ParameterServerTransport
 from commsched.ps.sharding import Segment
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
-from commsched.scheduler import Partition
 from commsched.update.base import Hyperparameters
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
-    from commsched.grad_scaling import GradScaling
-    from commsched.layout import GradLayout
+    from commsched.layout.grad_layout import GradLayout
+    from commsched.update.grad_scaling import GradScaling
 
 
 class ServerSideUpdate:
@@ -29,6 +29,10 @@ class ServerSideUpdate:
 
     overlap_blocker = None
     per_bucket = True
+    foreign_step_refusal = (
+        "With Strategy(backend=ParameterServer(...)) the servers run the optimizer and the workers' parameters "
+        "are replaced by the servers' values, so this update would be lost and its gradient is this worker's own"
+    )
 
     def __init__(self, client: ParameterServerTransport):
         self._client = client

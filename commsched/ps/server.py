@@ -40,17 +40,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import bucket_layout
 from commsched.errors import wait_work
+from commsched.layout.buckets import bucket_layout
+from commsched.layout.partitions import fifo_plan
+from commsched.ps.config import JobConfig
 from commsched.ps.protocol import (
-    ACK_TAG, HEADER_TAG, LAYOUT_TAG, PARAMS_TAG, PLAN_TAG, STATE_TAG, Command, header_length,
-    pull_tag, push_tag, state_message_length, trailer_length,
+    ACK_TAG,
+    HEADER_TAG,
+    LAYOUT_TAG,
+    PARAMS_TAG,
+    PLAN_TAG,
+    STATE_TAG,
+    Command,
+    header_length,
+    pull_tag,
+    push_tag,
+    state_message_length,
+    trailer_length,
 )
 from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.sharding import ShardingPlan, plan_model_sharding
 from commsched.ps.state import pack_block_state, unpack_block_state
-from commsched.scheduler import fifo_plan
-from commsched.strategy import Strategy
 from commsched.update.fused import BucketUpdater
 from commsched.update.kinds import decode_hyperparameters, encoded_length, optimizer_kind, user_class
 
@@ -101,12 +111,12 @@ class ParameterServer:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        strategy: Strategy,
+        config: JobConfig,
         roles: PSRoles,
         group: dist.ProcessGroup,
         board: FailureBoard,
     ):
-        self.strategy = strategy
+        self.config = config
         self.roles = roles
         self.group = group
         self.board = board
@@ -118,15 +128,15 @@ class ParameterServer:
         self._header_length = header_length(encoded_length(self.kind, self.num_groups))
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._timeout = strategy.timeout_s
-        self.mode = strategy.backend.mode
-        self._max_lead = math.inf if strategy.backend.max_staleness is None else strategy.backend.max_staleness
+        self._timeout = config.timeout_s
+        self.mode = config.mode
+        self._max_lead = math.inf if config.max_staleness is None else config.max_staleness
 
     # ------------------------------------------------------------------ setup
     def _build(self, forward_order: list[int]) -> None:
-        bucket_slots, priorities = bucket_layout(self.params, forward_order, self.strategy.bucket_size_limits_bytes)
+        bucket_slots, priorities = bucket_layout(self.params, forward_order, self.config.bucket_size_limits_bytes)
         self.plan: ShardingPlan = plan_model_sharding(
-            self.params, bucket_slots, priorities, self.strategy.ps_block_bytes, len(self.roles.servers)
+            self.params, bucket_slots, priorities, self.config.block_bytes, len(self.roles.servers)
         )
         self.mine = self.plan.blocks_of(self.roles.server_index)
         self._local = {pid: i for i, pid in enumerate(self.mine)}
@@ -155,7 +165,7 @@ class ParameterServer:
             [[self.grads[pid][s.block_start:s.block_start + s.numel] for s in self.plan.segments[pid]]
              for pid in self.mine],
             [[s.slot for s in self.plan.segments[pid]] for pid in self.mine],
-            fused=self.strategy.fuse_optimizer,
+            fused=self.config.fuse_optimizer,
         )
         self._pull_sends: dict[int, list[tuple[dist.Work, torch.Tensor, int]]] = {pid: [] for pid in self.mine}
         self._arrived = {pid: 0 for pid in self.mine}

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from commsched.placement import MIN_BLOCK_BYTES, place_blocks, server_block_bytes
-from commsched.scheduler import Partition
+from commsched.layout.partitions import Partition
+from commsched.layout.placement import MIN_BLOCK_BYTES, place_blocks, server_block_bytes
+
 
 def min_block_bytes_for(block_bytes: int) -> int:
     """Blocks are at least half the target size, or 64 KiB if that is smaller.
@@ -170,7 +171,7 @@ def plan_model_sharding(
 ) -> ShardingPlan:
     """Blocks of a model's trainable parameters laid out in ``bucket_slots``, and their servers.
 
-    ``block_bytes`` is lowered, if needed, to about `commsched.placement.BLOCKS_PER_SERVER` blocks per server.
+    ``block_bytes`` is lowered, if needed, to about `commsched.layout.placement.BLOCKS_PER_SERVER` blocks per server.
     """
     numels = [p.numel() for p in params]
     total = sum(p.numel() * p.element_size() for p in params)

@@ -40,7 +40,7 @@ issued while the worker computes (not while it waits for the link) takes
 ``1 + collective_slowdown`` times as long on the wire, the other side of the
 same sharing, which matters where the transport itself needs the host's cores
 (gloo over TCP; hardly NCCL). Both are measured by
-`commsched.profiling.measure_link`. A collective is stretched whole, as issued:
+`commsched.profiling.measure.measure_link`. A collective is stretched whole, as issued:
 a simplification that overstates it where computation ends while it is on the
 wire.
 
@@ -49,12 +49,12 @@ wire.
   all-reduced first in, first out when its last gradient is ready; at the end
   of backward the worker waits for every reduction, steps the optimizer, then
   runs the next forward pass.
-- commsched (`Strategy`): `commsched.buckets.bucket_layout` with the strategy's
-  limits, `commsched.scheduler.make_partitions` with its partition size, the
+- commsched (`Strategy`): `commsched.layout.buckets.bucket_layout` with the strategy's
+  limits, `commsched.layout.partitions.make_partitions` with its partition size, the
   bucket holding the forward pass's first parameter ready only at the end of
   backward (it carries the usage flags), and partitions issued most urgent first
   (or first in, first out without ``priority``) under the credit window, by the
-  rules of `commsched.scheduler.simulate_schedule` (a partition larger than the
+  rules of `commsched.layout.partitions.simulate_schedule` (a partition larger than the
   window goes alone; once every bucket is ready the window no longer limits).
   Issuing is dynamic: the plan the runtime agrees on is this same replay on
   rank 0's timeline. With ``overlap_forward`` the next forward pass waits, where

@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from commsched.profile import LinkProfile, LinkSample
+from commsched.profiling.profile import LinkProfile, LinkSample
 
 ALGORITHMS = ("ring", "tree")
 

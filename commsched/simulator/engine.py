@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from commsched.buckets import bucket_layout
-from commsched.placement import place_blocks, server_block_bytes
-from commsched.profile import Profile
-from commsched.scheduler import make_partitions
+from commsched.layout.buckets import bucket_layout
+from commsched.layout.partitions import make_partitions
+from commsched.layout.placement import place_blocks, server_block_bytes
+from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.strategy import MIB, Strategy
 
@@ -311,7 +311,7 @@ class _Run:
     def pump(self, it: int) -> None:
         """Issue every ready unit of iteration ``it`` the window allows, most urgent first.
 
-        As `commsched.scheduler.simulate_schedule`: a unit that does not fit goes
+        As `commsched.layout.partitions.simulate_schedule`: a unit that does not fit goes
         alone when nothing is in flight, and once every bucket of the pass is ready
         the window no longer limits.
         """

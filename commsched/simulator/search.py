@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from commsched.profile import Profile
+from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.simulator.engine import SimResult, simulate
 from commsched.strategy import ParameterServer, Strategy

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from commsched.grad_scaling import GradScaling
-    from commsched.layout import GradLayout
+    from commsched.layout.grad_layout import GradLayout
+    from commsched.update.grad_scaling import GradScaling
 
 Hyperparameters = list[dict[str, object]]
 """Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
@@ -18,6 +18,10 @@ class UpdatePolicy(Protocol):
 
     overlap_blocker: str | None
     """Why forward overlap is impossible with this optimizer, or None."""
+
+    foreign_step_refusal: str | None
+    """Why another optimizer's ``step()`` on these parameters can never be right with this
+    backend (see [Note: foreign optimizers] in `commsched.prepared.foreign_optimizers`), or None."""
 
     def attach(self, layout: GradLayout) -> None:
         """The buckets exist: prepare the per-bucket update (if any)."""

@@ -30,7 +30,7 @@ import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.sgd import sgd as functional_sgd
 
-from commsched.grad_scaling import GradScaling
+from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind
 
 FUSED_DTYPES = frozenset({torch.float32, torch.float64})
@@ -86,7 +86,7 @@ class BucketUpdater:
         """Update ``bucket``'s parameters, leaving out ``skip_slots`` (no gradient on any rank).
 
         ``scaling``: the gradients carry a ``GradScaler``'s scale, and its verdict
-        may skip the step (see [Note: GradScaler] in commsched/grad_scaling.py).
+        may skip the step (see [Note: GradScaler] in commsched/update/grad_scaling.py).
         """
         for segment in self.segments[bucket]:
             params, grads = segment.params, segment.grads

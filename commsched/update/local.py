@@ -7,14 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commsched.strategy import Strategy
-from commsched.grad_scaling import GradScaling
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
+from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import unsupported_reason
 
 if TYPE_CHECKING:
-    from commsched.layout import GradLayout
+    from commsched.layout.grad_layout import GradLayout
 
 
 class LocalUpdate:
@@ -22,14 +21,17 @@ class LocalUpdate:
     bucket's reduction completes; any other optimizer steps as usual once every
     reduction is done (and forward overlap is off)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None, strategy: Strategy):
+    foreign_step_refusal = None
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, fuse_optimizer: bool, overlap_forward: bool):
+        """``fuse_optimizer``, ``overlap_forward``: the `Strategy` fields of those names."""
         self._optimizer = optimizer
-        self._fused = strategy.fuse_optimizer
-        wants_per_bucket = strategy.fuse_optimizer or strategy.overlap_forward
+        self._fused = fuse_optimizer
+        wants_per_bucket = fuse_optimizer or overlap_forward
         self.overlap_blocker: str | None = None
         if optimizer is not None and wants_per_bucket:
             self.overlap_blocker = unsupported_reason(optimizer)
-        elif optimizer is None and strategy.overlap_forward:
+        elif optimizer is None and overlap_forward:
             self.overlap_blocker = "no optimizer was given to prepare()"
         self._wants_per_bucket = optimizer is not None and wants_per_bucket and self.overlap_blocker is None
         self._updater: BucketUpdater | None = None

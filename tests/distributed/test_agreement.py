@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
 from commsched import ParameterServer, Strategy
-from commsched.control import takes_cpu_tensors
+from commsched.comm.side_groups import takes_cpu_tensors
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 
@@ -215,7 +215,7 @@ def case_group_without_cpu_backend(rank: int):
                 p.add_(rank)
         model, _ = commsched.prepare(model, sgd(params), process_group=group)
         try:
-            control = model._commsched_reducer.control_group
+            control = commsched.status(model).process_groups.control
             assert control is not group and takes_cpu_tensors(control)
             for got, value in zip(model.parameters(), want):
                 torch.testing.assert_close(got.detach(), value, rtol=0, atol=0)

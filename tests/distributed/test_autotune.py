@@ -19,14 +19,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import commsched
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_allreduce_parity import (
-    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, local_step,
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    batches,
+    case_no_sync_accumulation,
+    local_step,
     reference_step,
 )
-from tests.distributed.test_allreduce_parity import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
 from tests.distributed.test_training_loops import PER_RANK, CheckpointedNet, norm_penalty
 

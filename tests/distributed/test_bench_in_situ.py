@@ -7,7 +7,7 @@ import pytest
 from commsched.bench.compare import ComparisonConfig
 from commsched.bench.in_situ import profile_on_rank
 from commsched.bench.models import WORKLOADS
-from commsched.profile import Profile
+from commsched.profiling.profile import Profile
 from commsched.testing import run_ranks
 
 pytestmark = pytest.mark.distributed

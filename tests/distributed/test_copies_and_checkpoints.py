@@ -22,8 +22,8 @@ from torch.optim.lr_scheduler import ExponentialLR
 from torch.optim.swa_utils import AveragedModel
 
 import commsched
-from commsched.lifecycle import WARMUP_ITERATIONS
-from commsched.module import CommschedModule
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.prepared.module import CommschedModule
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (

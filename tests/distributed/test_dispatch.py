@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.completion import CallbackTracker
-from commsched.dispatch import Dispatcher
+from commsched.engine.completion import CallbackTracker
+from commsched.engine.dispatch import Dispatcher
 from commsched.errors import wait_or_raise
-from commsched.scheduler import Partition, Plan, make_partitions
+from commsched.layout.partitions import Partition, Plan, make_partitions
 from commsched.testing import run_subtests
 
 pytestmark = pytest.mark.distributed

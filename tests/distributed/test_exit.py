@@ -3,7 +3,7 @@
 ``commsched.release(model)`` and the exit handler of a model never released
 share `GradientReducer.shut_down`. Freed later, while the interpreter
 finalizes, a gloo group can abort the process after a clean run (see [Note:
-process groups at exit] in commsched/reducer.py).
+process groups at exit] in commsched/engine/reducer.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def operations_left_in_cyclic_garbage(rank: int, world_size: int) -> int:
 
 def test_no_operation_is_left_for_the_interpreters_finalization():
     """Operations freed only while the interpreter finalizes may abort the process after a clean run
-    ([Note: process groups at exit] in commsched/reducer.py): each pass lets go of them when retired."""
+    ([Note: process groups at exit] in commsched/engine/reducer.py): each pass lets go of them when retired."""
     assert run_ranks(operations_left_in_cyclic_garbage, 2, timeout_s=120) == [0, 0]
 
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import commsched
-from commsched.grad_scaling import GRAD_SCALER_REASON
-from commsched.reducer import ONE_REPLICA_REASON
+from commsched.engine.reducer import ONE_REPLICA_REASON
 from commsched.testing import run_ranks, run_subtests
+from commsched.update.grad_scaling import GRAD_SCALER_REASON
 
 pytestmark = pytest.mark.distributed
 

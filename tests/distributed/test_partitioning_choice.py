@@ -19,14 +19,19 @@ import torch
 import torch.nn.functional as F
 
 import commsched
-from commsched import layout as layout_module
-from commsched import planning
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.layout import grad_layout as layout_module
+from commsched.planning import calibration as planning
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (
-    assert_equal_on_all_ranks, assert_same_parameters, batches, case_no_sync_accumulation, local_step,
-    rank_slice, reference_step,
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    batches,
+    case_no_sync_accumulation,
+    local_step,
+    rank_slice,
+    reference_step,
 )
 from tests.distributed.test_scheduling import OPTIMIZERS as PARITY_OPTIMIZERS
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB

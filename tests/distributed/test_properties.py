@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import commsched
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.strategy import MAX_SIZE_MB, MIN_BUCKET_MB, MIN_PARTITION_MB
 from tests.distributed.test_allreduce_parity import assert_equal_on_all_ranks, assert_same_parameters
 

@@ -1,8 +1,8 @@
 """The parameter-server backend gives single-process training's parameters.
 
 Same cases as the all-reduce parity grid, for 2 and 3 workers with 1 and 2
-servers: each group of spawned ranks runs every case; on server ranks
-``prepare()`` serves and ends with `ServingFinished`, which the cases catch.
+servers: each group of spawned ranks runs every case; server ranks call
+``commsched.serve()``, which returns once every worker has released its model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ from commsched.api import ServingFinished
 from commsched.testing import run_subtests
 from commsched.testing.models import BatchNormNet
 from tests.distributed.test_allreduce_parity import (
-    OPTIMIZERS, batches, fresh_pair, local_step, rank_slice, reference_backward, reference_step, uses_aux,
+    OPTIMIZERS,
+    batches,
+    fresh_pair,
+    local_step,
+    rank_slice,
+    reference_backward,
+    reference_step,
+    uses_aux,
 )
 
 pytestmark = pytest.mark.distributed
@@ -41,16 +48,14 @@ PS_STRATEGIES = {
 
 def prepare_or_serve(model, optimizer, num_servers, ps_mode="sync", ps_max_staleness=None, block_mb=0.5,
                      **kwargs):
-    """prepare() with the PS backend; None on a server rank once the workers are done."""
+    """prepare() with the PS backend on a worker; serve() on a server rank, then None."""
     backend = commsched.ParameterServer(num_servers=num_servers, mode=ps_mode, max_staleness=ps_max_staleness,
                                         block_mb=block_mb)
     strategy = commsched.Strategy(backend=backend, **kwargs)
-    try:
-        return commsched.prepare(model, optimizer, strategy)
-    except ServingFinished as done:
-        assert done.code == 0
-        SERVER_REPORTS.append(done.report)
+    if commsched.is_server_rank(num_servers):
+        SERVER_REPORTS.append(commsched.serve(model, optimizer, strategy))
         return None
+    return commsched.prepare(model, optimizer, strategy)
 
 
 SERVER_REPORTS: list = []
@@ -292,6 +297,27 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
                           commsched.Strategy(backend=commsched.ParameterServer(num_servers=servers)))
 
 
+def case_entry_points(rank, world_size, servers):
+    """serve() on a worker is refused on every rank; prepare() on a server still serves, with a
+    DeprecationWarning, and ends with ServingFinished (code 0)."""
+    strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=servers))
+    model, optimizer, _, _ = fresh_pair("sgd")
+    with pytest.raises(ValueError, match=r"commsched.serve\(\) was called on rank 0, a worker"):
+        commsched.serve(model, optimizer, strategy)
+    model, optimizer, _, _ = fresh_pair("sgd")
+    if not commsched.is_server_rank(servers):
+        model, optimizer = commsched.prepare(model, optimizer, strategy)
+        x, y = next(batches(world_size - servers))
+        F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
+        optimizer.step()
+        finish(model)
+        return
+    with pytest.warns(DeprecationWarning, match=r"Call commsched.serve\(model, optimizer, strategy\) on the server ranks instead"):
+        with pytest.raises(ServingFinished) as finished:
+            commsched.prepare(model, optimizer, strategy)
+    assert finished.value.code == 0 and finished.value.report is not None
+
+
 def case_async_training_converges(rank, world_size, servers):
     """Asynchronous mode: a linear regression's loss falls below 0.05; staleness is reported."""
     torch.manual_seed(0)
@@ -397,6 +423,7 @@ def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
             ("no_sync_accumulation", case_no_sync_accumulation),
             ("buffers_stay_on_workers", case_buffers_stay_on_workers),
             ("misuse_gives_clear_errors", case_misuse_gives_clear_errors),
+            ("entry_points", case_entry_points),
             ("async_training_converges", case_async_training_converges),
             ("async_staleness_is_bounded", case_async_staleness_is_bounded),
             ("trace_shows_layout_and_round_trips", case_trace_shows_layout_and_round_trips),

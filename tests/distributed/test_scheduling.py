@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import (

@@ -1,4 +1,4 @@
-"""commsched's side groups (see [Note: side groups] in commsched/control.py): on a sub-group of
+"""commsched's side groups (see [Note: side groups] in commsched/comm/side_groups.py): on a sub-group of
 the job, the ranks outside it take no part, and nothing queues behind the gradients of the ranks
 inside it; every model prepared on a group shares one side group, until a failure drops it."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
-from commsched import control
+from commsched.comm import side_groups as control
 from commsched.testing.models import BatchNormNet
 
 pytestmark = pytest.mark.distributed
@@ -33,7 +33,7 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9),
                                          process_group=pair)
-    buffer_group = model._commsched_reducer.buffer_group
+    buffer_group = commsched.status(model).process_groups.buffers
     # The forward pass's buffer broadcast must not wait behind gradients still in flight.
     assert buffer_group is not pair, "buffer broadcasts share the gradients' group"
     assert dist.get_process_group_ranks(buffer_group) == [0, 1]
@@ -57,7 +57,7 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     second = BatchNormNet()
     second, second_optimizer = commsched.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1),
                                                  process_group=pair)
-    assert second._commsched_reducer.buffer_group is buffer_group
+    assert commsched.status(second).process_groups.buffers is buffer_group
     for _ in range(2):
         F.cross_entropy(second(torch.randn(4, 1, 6, 6, generator=generator)), torch.zeros(4, dtype=torch.long)).backward()
         second_optimizer.step()
@@ -75,7 +75,7 @@ def train_two_models_on_the_default_group(rank: int, world_size: int) -> str:
         torch.manual_seed(0)
         base = BatchNormNet()
         model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
-        side_groups.append(model._commsched_reducer.buffer_group)
+        side_groups.append(commsched.status(model).process_groups.buffers)
         for _ in range(2):
             x = torch.randn(4, 1, 6, 6, generator=generator)
             F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
@@ -99,7 +99,7 @@ def two_models_on_a_group_without_cpu_backend(rank: int, world_size: int) -> str
     for _ in range(2):
         model = torch.nn.Linear(4, 2)
         model, _ = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), process_group=group)
-        controls.append(model._commsched_reducer.control_group)
+        controls.append(commsched.status(model).process_groups.control)
         commsched.release(model)
     assert controls[0] is controls[1], "a second model made a second control group"
     assert str(dist.get_backend(controls[0])) == "cpu:gloo,cuda:gloo"

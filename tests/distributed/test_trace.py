@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import commsched
-from commsched.lifecycle import WARMUP_ITERATIONS
-from commsched.testing.models import ParityNet
 from commsched.bench.trace_report import report
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.testing.models import ParityNet
 
 pytestmark = pytest.mark.distributed
 ITERATIONS = WARMUP_ITERATIONS + 3

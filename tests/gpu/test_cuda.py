@@ -46,7 +46,7 @@ def nccl_models_share_side_groups(rank: int, world_size: int) -> str:
             base = BatchNormNet().cuda()
             model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1),
                                                  process_group=group)
-            made.append(model._commsched_reducer.control_group)
+            made.append(commsched.status(model).process_groups.control)
             for _ in range(5):
                 x = torch.randn(4, 1, 6, 6, device="cuda")
                 F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long, device="cuda")).backward()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import commsched
-from commsched.reducer import ONE_REPLICA_REASON
+from commsched.engine.reducer import ONE_REPLICA_REASON
 from commsched.testing import run_ranks, run_subtests
 from tests.distributed.test_misuse import HANG_POINTS, hung_peer
 from tests.distributed.test_scheduling import (

@@ -1,4 +1,4 @@
-"""`commsched.adoption`: simulating ``Strategy()`` as a run adopts it, not literally."""
+"""`commsched.simulator.adoption`: simulating ``Strategy()`` as a run adopts it, not literally."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from commsched.adoption import as_run, cost_model_choice
-from commsched.cost_model import Setting, candidates
+from commsched.planning.cost_model import Setting, candidates
 from commsched.simulator import Cluster, DDPConfig, simulate
+from commsched.simulator.adoption import as_run, cost_model_choice
 from commsched.strategy import ParameterServer, Strategy
 from tests.unit.test_simulator import balanced_profile
 

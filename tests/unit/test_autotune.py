@@ -16,21 +16,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.autotune import (
-    CONFIRM_BEST, DRIFT_THRESHOLD, DRIFT_WINDOW, MAX_RETUNE_ITERATIONS, SETTLE_ITERATIONS, Controller, Decision,
-    Phase,
-    SearchSpace, TunedSetting, TuningConfig, TuningLog, Warmup, starting_point,
-)
-from commsched.cost_model import Setting
-from commsched.lifecycle import WARMUP_ITERATIONS
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.layout.setting import LayoutSetting
 from commsched.strategy import MIB, Strategy
+from commsched.tuning.controller import (
+    CONFIRM_BEST,
+    DRIFT_THRESHOLD,
+    DRIFT_WINDOW,
+    MAX_RETUNE_ITERATIONS,
+    SETTLE_ITERATIONS,
+    Controller,
+    TuningConfig,
+)
+from commsched.tuning.decision import Decision, Phase
+from commsched.tuning.guesses import TuningStart, starting_point
+from commsched.tuning.log import TuningLog
+from commsched.tuning.space import SearchSpace
 
 GRADIENT_BYTES = 100 * MIB
-FAR_START = TunedSetting(0.25, 0.25, 128.0, 32.0, False)
+FAR_START = LayoutSetting(0.25, 0.25, 128.0, 32.0, False)
 """Far from the objective's best: fine partitions, a one-partition window, no overlap."""
 
 
-def objective(setting: TunedSetting, strategy: Strategy = Strategy()) -> float:
+def objective(setting: LayoutSetting, strategy: Strategy = Strategy()) -> float:
     """Seconds per iteration: computation, exposed communication shrinking with the unit on the
     wire, a cost per collective, a credit window best at four units, overlap saving 15 ms, and the
     first bucket best at 1 MiB. About one setting in twenty is within 5% of the best."""
@@ -55,10 +63,10 @@ class Run:
     clock: float
 
 
-def start_run(start: TunedSetting = FAR_START, overlap_allowed: bool = True, **fields) -> Run:
+def start_run(start: LayoutSetting = FAR_START, overlap_allowed: bool = True, **fields) -> Run:
     strategy = Strategy(autotune=True, **fields)
     space = SearchSpace.around(GRADIENT_BYTES, start, overlap_allowed)
-    controller = Controller(space, start, strategy, TuningConfig.of(strategy))
+    controller = Controller(space, start, TuningConfig.of(strategy))
     run = Run(TuningLog(), controller, [], WARMUP_ITERATIONS, 0.0)
     decide(run)
     return run
@@ -70,7 +78,7 @@ def decide(run: Run) -> None:
     run.log.apply(run.iteration, decision)
 
 
-def drive(run: Run, iterations: int, cost: Callable[[TunedSetting], float] = objective,
+def drive(run: Run, iterations: int, cost: Callable[[LayoutSetting], float] = objective,
           until: Callable[[Run], bool] = lambda run: False) -> Run:
     for _ in range(iterations):
         run.clock += cost(run.log.current)
@@ -116,7 +124,7 @@ def test_trials_measure_the_median_after_a_settling_iteration():
     run = start_run(autotune_trial_iterations=2)
     since = {"iteration": WARMUP_ITERATIONS}
 
-    def cost(setting: TunedSetting) -> float:
+    def cost(setting: LayoutSetting) -> float:
         first = run.iteration == since["iteration"]
         return objective(setting) + (5.0 if first else 0.0)
 
@@ -139,7 +147,7 @@ def test_the_starting_point_is_the_first_trial():
 
 
 def test_decisions_are_deterministic_given_the_seed():
-    def settings_of(seed: int) -> list[TunedSetting]:
+    def settings_of(seed: int) -> list[LayoutSetting]:
         run = drive(start_run(autotune_seed=seed), 200, until=tuned)
         return [setting for _, setting in run.log.settings]
 
@@ -152,7 +160,7 @@ def test_a_setting_is_never_measured_twice_in_one_search_but_the_finalists_once_
     strategy = Strategy()
     trials = run.log.studies[0]
     searched, confirmed = trials[:-CONFIRM_BEST], trials[-CONFIRM_BEST:]
-    behaviours = [t.setting.behaviour(strategy) for t in searched]
+    behaviours = [t.setting.behaviour() for t in searched]
     assert len(behaviours) == len(set(behaviours))
     fastest = sorted(searched, key=lambda t: t.median_s)[:CONFIRM_BEST]
     assert [t.setting for t in confirmed] == [t.setting for t in fastest]
@@ -165,15 +173,15 @@ def test_a_setting_measured_fast_once_by_luck_is_not_adopted():
     space = SearchSpace.around(GRADIENT_BYTES, FAR_START, overlap_allowed=True)
     best = min(space.grid(), key=objective)
     lucky = next(s for s in space.grid() if objective(s) < 1.06 * objective(best) and s != best)
-    seen: list[TunedSetting] = []
+    seen: list[LayoutSetting] = []
 
-    def cost(setting: TunedSetting) -> float:
+    def cost(setting: LayoutSetting) -> float:
         seen.append(setting)
         if setting == lucky and seen.count(lucky) <= SETTLE_ITERATIONS + strategy.autotune_trial_iterations:
             return 0.6 * objective(setting)
         return objective(setting)
 
-    run = Run(TuningLog(), Controller(space, FAR_START, strategy, TuningConfig.of(strategy), [lucky, best]),
+    run = Run(TuningLog(), Controller(space, FAR_START, TuningConfig.of(strategy), [lucky, best]),
               [], WARMUP_ITERATIONS, 0.0)
     decide(run)
     drive(run, 500, cost, until=tuned)
@@ -253,46 +261,47 @@ def test_every_setting_of_the_space_is_a_valid_strategy_and_the_start_is_in_it(
 ):
     unit = bucket_cap_mb if partition_mb is None else partition_mb
     credit = None if credit_factor is None else max(256 / MIB, unit * credit_factor)
-    start = TunedSetting(partition_mb, credit, bucket_cap_mb, first_bucket_mb, overlap)
+    start = LayoutSetting(partition_mb, credit, bucket_cap_mb, first_bucket_mb, overlap)
     space = SearchSpace.around(gradient_bytes, start, overlap_allowed=overlap)
     assert space.setting(space.indices(start)) == start
     strategy = Strategy(autotune=True)
     for setting in space.grid():
-        assert TunedSetting.of(setting.applied(strategy)) == setting
+        assert LayoutSetting.of(setting.applied(strategy)) == setting
         assert setting.overlap_forward in (True, False) and (overlap or not setting.overlap_forward)
 
 
 def test_decisions_survive_a_broadcast_exactly():
-    decision = Decision(Phase.RETUNING, TunedSetting(None, 3.0, 25.0, 0.1, True), 4, 2, 12, 123.456, 99.5, 80.25)
+    decision = Decision(Phase.RETUNING, LayoutSetting(None, 3.0, 25.0, 0.1, True), 4, 2, 12, 123.456, 99.5, 80.25)
     assert Decision.decode(decision.encode()) == decision
-    bare = Decision(Phase.TUNING, TunedSetting(1 / 3, None, 1 / MIB, 1.0, False), 4)
+    bare = Decision(Phase.TUNING, LayoutSetting(1 / 3, None, 1 / MIB, 1.0, False), 4)
     assert Decision.decode(bare.encode()) == bare
 
 
 def test_the_starting_point_is_the_cost_models_choice_with_the_configured_buckets():
     strategy = Strategy(bucket_cap_mb=8.0, first_bucket_mb=0.5, autotune=True)
-    start = starting_point(Warmup(strategy, None, Setting(4.0, 16.0), overlap_allowed=True))
-    assert start == TunedSetting(4.0, 16.0, 8.0, 0.5, True)
-    assert starting_point(Warmup(strategy, None, None, overlap_allowed=False)) == TunedSetting(
+    chosen = LayoutSetting.of(strategy).with_partitioning(4.0, 16.0)  # the cost model's choice, applied
+    start = starting_point(TuningStart(chosen, None, overlap_allowed=True))
+    assert start == LayoutSetting(4.0, 16.0, 8.0, 0.5, True)
+    assert starting_point(TuningStart(LayoutSetting.of(strategy), None, overlap_allowed=False)) == LayoutSetting(
         strategy.partition_mb, strategy.credit_mb, 8.0, 0.5, False)
 
 
-def _warmup_on_a_slow_link(strategy: Strategy) -> Warmup:
+def _warmup_on_a_slow_link(strategy: Strategy) -> TuningStart:
     """20 layers of 1 MiB, gradients ready 10 ms apart, a 60 ms forward pass, 2 replicas on a link
     where one layer's all-reduce takes about as long as its backward."""
-    from commsched.cost_model import Timeline
-    from commsched.scheduler import LinkModel
+    from commsched.planning.cost_model import Timeline
+    from commsched.planning.schedule import LinkModel
 
     layers = 20
     timeline = Timeline(tuple(0.010 * (layers - slot) for slot in range(layers)), 0.060,
                         LinkModel(latency_s=5e-4, bytes_per_s=120e6), transport_cpu_share=0.1)
-    return Warmup(strategy, timeline, None, True, tuple((MIB // 4, 4) for _ in range(layers)),
+    return TuningStart(LayoutSetting.of(strategy), timeline, True, tuple((MIB // 4, 4) for _ in range(layers)),
                   tuple(range(layers)), world_size=2)
 
 
 def test_the_simulators_guesses_are_the_fastest_predicted_points_of_the_space():
-    from commsched.autotune import simulated_guesses, warmup_profile
     from commsched.simulator import Cluster, simulate
+    from commsched.tuning.guesses import simulated_guesses, warmup_profile
 
     strategy = Strategy(autotune=True)
     warmup = _warmup_on_a_slow_link(strategy)
@@ -323,7 +332,7 @@ def test_the_guesses_are_measured_right_after_the_starting_point():
     space = SearchSpace.around(GRADIENT_BYTES, FAR_START, overlap_allowed=True)
     points = [s for s in space.grid() if s.overlap_forward and s.partition_mb is not None]
     guesses = [points[len(points) // 2], FAR_START, points[-1]]
-    controller = Controller(space, FAR_START, strategy, TuningConfig.of(strategy), guesses)
+    controller = Controller(space, FAR_START, TuningConfig.of(strategy), guesses)
     run = Run(TuningLog(), controller, [], WARMUP_ITERATIONS, 0.0)
     decide(run)
     drive(run, 3 * (SETTLE_ITERATIONS + strategy.autotune_trial_iterations))

@@ -6,8 +6,9 @@ import dataclasses
 
 import torch
 
-from commsched.cost_model import Setting, Timeline, candidates, choose
-from commsched.scheduler import LinkModel
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.cost_model import Setting, Timeline, candidates, choose
+from commsched.planning.schedule import LinkModel
 from commsched.strategy import Strategy
 
 CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
@@ -28,7 +29,7 @@ def timeline(params, backward_s: float, forward_s: float, link: LinkModel) -> Ti
 
 def decide(params, line: Timeline, overlap: bool = True):
     strategy = Strategy(partition_mb=CONFIGURED.partition_mb, credit_mb=CONFIGURED.credit_mb, overlap_forward=overlap)
-    return choose(strategy, params, list(range(len(params))), line)
+    return choose(LayoutSetting.of(strategy), strategy.priority, params, list(range(len(params))), line)
 
 
 def test_candidates_are_configured_coarser_and_whole_buckets_once():

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from commsched.completion import CallbackTracker
-from commsched.dispatch import Dispatcher
-from commsched.scheduler import Partition, Plan, make_partitions
+from commsched.engine.completion import CallbackTracker
+from commsched.engine.dispatch import Dispatcher
+from commsched.layout.partitions import Partition, Plan, make_partitions
 
 
 class DoneBeforeItsCallback:

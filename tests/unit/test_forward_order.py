@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commsched.layout import gating_modules
-from commsched.order import ForwardRecorder
-from commsched.reads import ParameterReads
+from commsched.layout.grad_layout import gating_modules
+from commsched.watch.first_forward import ForwardRecorder
+from commsched.watch.reads import ParameterReads
 from tests.distributed.test_scheduling import ReadsLateEarlyLater
 
 

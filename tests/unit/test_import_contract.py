@@ -26,4 +26,4 @@ def test_importing_commsched_loads_no_tooling():
                                        text=True, cwd=ROOT).stdout)
     tooling = [m for m in loaded if m.split(".")[0] in {"rich", "matplotlib"}
                or m.startswith(("commsched.bench", "commsched.cli", "commsched.testing"))]
-    assert "commsched.reducer" in loaded and tooling == [], tooling
+    assert "commsched.engine.reducer" in loaded and tooling == [], tooling

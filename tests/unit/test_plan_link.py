@@ -8,9 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched import planning
-from commsched.planning import ReadyTimeProfile, WarmupTimeline, plan_order, planning_bytes_per_s, wire_bytes_per_s
-from commsched.scheduler import LinkModel, Partition, make_partitions
+from commsched.engine import ready_times
+from commsched.engine.ready_times import ReadyTimeProfile
+from commsched.layout.partitions import Partition, make_partitions
+from commsched.planning import calibration, plans
+from commsched.planning.plans import WarmupTimeline, plan_order, planning_bytes_per_s, wire_bytes_per_s
+from commsched.planning.schedule import LinkModel
 
 
 def sequential_finish_s(issued: list[tuple[float, int]], latency_s: float, bytes_per_s: float) -> float:
@@ -53,7 +56,7 @@ def test_the_plan_never_assumes_a_link_faster_than_idle():
     fast = WarmupTimeline((0.0,), loaded_bytes_per_s=5e8, latency_s=0.001, idle_link=idle)
     slow = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.001, idle_link=idle)
     unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.001, idle_link=idle)
-    factor = planning.LINK_SAFETY_FACTOR
+    factor = plans.LINK_SAFETY_FACTOR
     assert planning_bytes_per_s(fast) == pytest.approx(1e8 * factor)
     assert planning_bytes_per_s(slow) == pytest.approx(5e7 * factor)
     assert planning_bytes_per_s(unknown) == pytest.approx(1e8 * factor)
@@ -83,7 +86,7 @@ def warm_up(
     """Two profiled warm-up iterations: each partition issued in bucket order once its
     bucket is ready, as warm-up does, reduced one after the other on ``link``."""
     clock = FakeClock()
-    monkeypatch.setattr(planning.time, "perf_counter", clock)
+    monkeypatch.setattr(ready_times.time, "perf_counter", clock)
     profile = ReadyTimeProfile(num_slots=len(BUCKET_READY_S))
     start = 0.0
     for iteration in (1, 2):
@@ -111,7 +114,7 @@ def test_a_computation_paced_plan_sends_early_gradients_before_the_backward_pass
     sizes = [4] * len(BUCKET_BYTES)
     partitions = make_partitions([b // 4 for b in BUCKET_BYTES], sizes, BUCKET_PRIORITIES, 2**20)
     profile = warm_up(monkeypatch, partitions)
-    warmup = WarmupTimeline.of(profile, LINK.latency_s, idle_link=LINK)
+    warmup = profile.timeline(LINK.latency_s, idle_link=LINK)
     assert warmup.loaded_bytes_per_s == pytest.approx(LINK.bytes_per_s, rel=1e-6)
 
     order = plan_order(partitions, BUCKET_READY_S, warmup, credit_bytes=4 * 2**20)
@@ -137,7 +140,7 @@ def test_without_an_idle_measurement_a_slow_link_is_kept_busy_during_the_backwar
     round_trip = LinkModel(latency_s=0.002, bytes_per_s=11e6)
     partitions = make_partitions([b // 4 for b in bucket_bytes], [4] * 5, [4, 3, 2, 1, 0], 2**20)
     profile = warm_up(monkeypatch, partitions, ready_s, round_trip, forward_s=0.04)
-    warmup = WarmupTimeline.of(profile, round_trip.latency_s)  # no idle link
+    warmup = profile.timeline(round_trip.latency_s)  # no idle link
     assert warmup.idle_link is None
     assert warmup.loaded_bytes_per_s == pytest.approx(round_trip.bytes_per_s, rel=1e-6)
 
@@ -153,15 +156,15 @@ def test_the_pace_is_judged_on_the_idle_link_where_measured():
     measured = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002, idle_link=idle)
     warm_up_only = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002)
     unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.002)
-    assert planning.pacing_link(measured) == idle
-    assert planning.pacing_link(warm_up_only) == LinkModel(latency_s=0.002, bytes_per_s=5e7)
-    assert planning.pacing_link(unknown) is None
+    assert plans.pacing_link(measured) == idle
+    assert plans.pacing_link(warm_up_only) == LinkModel(latency_s=0.002, bytes_per_s=5e7)
+    assert plans.pacing_link(unknown) is None
 
 
 def link_samples(sizes: tuple[int, int], fixed_s: float, bytes_per_s: float, slow: dict[tuple[int, int], float]):
     """`CALIBRATION_REPEATS` rows of (wall, CPU share) per size on the line, plus ``slow[(row, size)]`` seconds."""
     return [[(fixed_s + n / bytes_per_s + slow.get((row, i), 0.0), 0.1 + 0.01 * row) for i, n in enumerate(sizes)]
-            for row in range(planning.CALIBRATION_REPEATS)]
+            for row in range(calibration.CALIBRATION_REPEATS)]
 
 
 def test_the_link_calibration_keeps_a_slow_spell_out_of_the_fixed_cost():
@@ -169,7 +172,7 @@ def test_the_link_calibration_keeps_a_slow_spell_out_of_the_fixed_cost():
     fixed_s, bytes_per_s, latency_s = 0.2e-3, 119e6, 0.15e-3
 
     def calibrated(slow):
-        return planning.link_from_samples(sizes, link_samples(sizes, fixed_s, bytes_per_s, slow), latency_s)
+        return calibration.link_from_samples(sizes, link_samples(sizes, fixed_s, bytes_per_s, slow), latency_s)
 
     link, cpu_share = calibrated({})
     assert link.latency_s == pytest.approx(fixed_s) and link.bytes_per_s == pytest.approx(bytes_per_s)
@@ -184,7 +187,7 @@ def test_a_link_calibration_whose_times_do_not_grow_gives_a_finite_bandwidth():
     # Noise can make the larger all-reduce the quicker; the two-point difference
     # then gave a bandwidth of petabytes per second.
     sizes = (2**20, 2**23)
-    samples = [[(5e-3, 0.1), (4e-3, 0.1)] for _ in range(planning.CALIBRATION_REPEATS)]
-    link, _ = planning.link_from_samples(sizes, samples, latency_s=1e-4)
+    samples = [[(5e-3, 0.1), (4e-3, 0.1)] for _ in range(calibration.CALIBRATION_REPEATS)]
+    link, _ = calibration.link_from_samples(sizes, samples, latency_s=1e-4)
     assert link.latency_s == pytest.approx(1e-4)
     assert link.bytes_per_s == pytest.approx(2**23 / (4e-3 - 1e-4))

@@ -1,9 +1,8 @@
-"""Measuring a model's profile in one process (`commsched.profiling`): what it records, not how fast."""
+"""Measuring a model's profile in one process (`commsched.profiling.measure`): what it records, not how fast."""
 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import pytest
@@ -11,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commsched.profile import PROFILE_VERSION, Profile
-from commsched.profile import fit_link
-from commsched.profiling import measure_link, profile_model, scaled_compute
+from commsched.profiling.measure import measure_link, profile_model, scaled_compute
+from commsched.profiling.profile import PROFILE_VERSION, Profile, fit_link
 
 LAYERS = ("0", "2", "4")
 """The Linear layers of `three_linear`, in forward order."""
@@ -142,7 +140,7 @@ def test_save_and_load_give_the_same_profile(tmp_path):
 
 
 def test_a_link_survives_the_round_trip_and_a_missing_slowdown_reads_as_none(tmp_path):
-    from commsched.profile import LinkProfile, LinkSample
+    from commsched.profiling.profile import LinkProfile, LinkSample
 
     link = LinkProfile(2, (LinkSample(2**16, 1e-3), LinkSample(2**20, 9e-3)), 5e-4, 1.2e8,
                        compute_slowdown=0.25, collective_slowdown=0.75)

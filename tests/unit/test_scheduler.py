@@ -6,17 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.planning import link_sets_the_pace
-from commsched.scheduler import (
-    LinkModel,
-    Plan,
-    PlanExecutor,
-    SimulatedSchedule,
-    fifo_plan,
-    make_partitions,
-    robust_plan,
-    simulate_schedule,
-)
+from commsched.layout.partitions import Plan, PlanExecutor, fifo_plan, make_partitions
+from commsched.planning.plans import link_sets_the_pace
+from commsched.planning.schedule import LinkModel, SimulatedSchedule, robust_plan, simulate_schedule
 
 
 @settings(max_examples=200, deadline=None)

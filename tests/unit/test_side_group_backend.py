@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from commsched.control import backend_device_types, side_group_backend
+from commsched.comm.side_groups import backend_device_types, side_group_backend
 
 
 @pytest.mark.parametrize(("user_backend", "side_backend"), [

@@ -10,12 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.buckets import bucket_layout
-from commsched.profile import LinkProfile, LinkSample, ParameterProfile, Profile
-from commsched.scheduler import LinkModel, make_partitions, simulate_schedule
-from commsched.simulator import (
-    Cluster, DDPConfig, SimResult, best_strategy, bound_s, simulate, strategy_space,
-)
+from commsched.layout.buckets import bucket_layout
+from commsched.layout.partitions import make_partitions
+from commsched.planning.schedule import LinkModel, simulate_schedule
+from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
+from commsched.simulator import Cluster, DDPConfig, SimResult, best_strategy, bound_s, simulate, strategy_space
 from commsched.strategy import MIB, ParameterServer, Strategy
 
 LITERAL = Strategy(adaptive=False)

@@ -240,7 +240,7 @@ def test_trace_dir_must_be_a_usable_path_and_naming_one_creates_nothing(tmp_path
 
 def test_every_field_but_trace_dir_must_agree_across_ranks():
     """describe_setup is what ranks compare at prepare(): each field changes it, trace_dir never."""
-    from commsched.consistency import describe_setup
+    from commsched.comm.agreement import describe_setup
 
     model = torch.nn.Linear(2, 2)
     base = describe_setup(Strategy(), model, None)

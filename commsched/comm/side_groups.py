@@ -1,0 +1,135 @@
+"""commsched's own process groups beside the user's: control messages and buffer broadcasts.
+
+[Note: control messages] Besides gradients, commsched exchanges a few small
+messages: the agreement on model and setup at ``prepare()``, the parameter
+order after the first forward pass, the cost model's choice and the plan at
+the end of warm-up. They are decided and read on the host. On a group with a
+CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``) they go on that group. A group
+without one (NCCL, which takes only CUDA tensors) gets its side group (below),
+which has a gloo backend, rather than CUDA copies of the messages, because:
+
+- the values are needed on the host at once; on the GPU each exchange would
+  cost a copy each way and a stream synchronisation;
+- a gloo wait honours its timeout on the host, so a peer that never answers
+  gives a `CommunicationTimeout` naming what was awaited, where an NCCL
+  message would queue behind the gradients' collectives on their stream.
+
+What the side group must not do is measure the link the gradients use: the
+latency probe and the link calibration (`commsched.planning.plans`) run on the
+user's group, with tensors on the gradients' device.
+
+[Note: side groups] One group per user group, over the same ranks, made at the
+first ``prepare()`` that needs it and shared by every model prepared on that
+group. It carries the control messages where the user's group takes no CPU
+tensors, and the buffer broadcasts (and Join's counts) with forward overlap,
+which must not queue behind gradient reductions still in flight. Its backend
+is the user group's, with gloo for CPU tensors added where that backend lacks
+it (``"cpu:gloo,cuda:nccl"`` for NCCL): one group serves both roles. Why one,
+made once:
+
+- A sub-group's other processes never call ``prepare()``, so its side group is
+  made with ``use_local_synchronization=True``, and torch names such a group
+  by its ranks alone: a second group over the same ranks would wait forever
+  for a rendezvous that already happened. Torch (2.13, gloo) also makes such
+  a group only where its ranks have made the same groups before: after
+  ``new_group([0, 1])``, a local group over ranks 0, 1 and 2 waits forever.
+  So a group of every process of the job gets ``new_group`` over all of
+  them, as the default group does: only true sub-groups need local
+  synchronisation.
+- Every use is on the training thread, in program order, so models sharing it
+  issue their operations in the same order on every rank.
+
+After a communication failure the side group is abandoned (see [Note: exit
+after a failure] in commsched/errors.py) and forgotten, so a later
+``prepare()`` makes a new one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+
+def device_types(group: dist.ProcessGroup) -> frozenset[str]:
+    """The device types ``group``'s backend takes tensors on (``"cpu:gloo,cuda:nccl"``: both)."""
+    return backend_device_types(str(dist.get_backend(group)))
+
+
+def backend_device_types(backend: str) -> frozenset[str]:
+    """The device types ``backend`` (as `dist.get_backend` spells it) takes tensors on."""
+    if ":" in backend:
+        return frozenset(pair.split(":", 1)[0].strip() for pair in backend.split(","))
+    return frozenset(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
+
+
+def takes_cpu_tensors(group: dist.ProcessGroup) -> bool:
+    return "cpu" in device_types(group)
+
+
+def control_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group`` itself if it takes CPU tensors, else its side group.
+
+    Collective over ``group``'s ranks when the side group is made.
+    """
+    if takes_cpu_tensors(group):
+        return group
+    return side_group_for(group)
+
+
+_SIDE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+"""Side groups by user group: see [Note: side groups]. An entry goes with its user group, when
+a model lets go of its groups after the user destroyed that group (`forget_destroyed`), and at
+exit, while threads can still run: the cache must never be what holds a group until the
+interpreter finalizes (see [Note: process groups at exit] in commsched/engine/reducer.py)."""
+atexit.register(_SIDE_GROUPS.clear)  # after every reducer's own exit handler (registered later)
+
+
+def side_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group``'s side group (see [Note: side groups]), made at the first call.
+
+    Collective when made: over every process of the job for a group of them
+    all, over ``group``'s ranks for a sub-group.
+    """
+    if group not in _SIDE_GROUPS:
+        backend = side_group_backend(str(dist.get_backend(group)))
+        if dist.get_world_size(group) == dist.get_world_size():  # every process of the job is in it
+            _SIDE_GROUPS[group] = dist.new_group(backend=backend)
+        else:
+            _SIDE_GROUPS[group] = dist.new_group(
+                dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True
+            )
+    return _SIDE_GROUPS[group]
+
+
+def side_group_backend(backend: str) -> str:
+    """``backend`` (a user group's), with gloo added for CPU tensors where it has none."""
+    devices = backend_device_types(backend)
+    if "cpu" in devices:
+        return backend
+    pairs = backend.split(",") if ":" in backend else [f"{device}:{backend}" for device in sorted(devices)]
+    return ",".join(["cpu:gloo", *pairs])
+
+
+def forget_destroyed() -> None:
+    """Drop the side groups of user groups torch no longer knows (``destroy_process_group``).
+
+    Called when a model lets go of its groups: torch keeps a destroyed group's object alive,
+    so the weak key alone would keep its side group, and the side group's threads, running.
+    """
+    for user_group in list(_SIDE_GROUPS):
+        try:
+            dist.get_process_group_ranks(user_group)
+        except (KeyError, ValueError, RuntimeError):
+            del _SIDE_GROUPS[user_group]
+
+
+def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
+    """After a failure: later ``prepare()`` calls make new side groups instead of using ``groups``."""
+    dropped = {id(group) for group in groups if group is not None}
+    for user_group, side in list(_SIDE_GROUPS.items()):
+        if id(side) in dropped:
+            del _SIDE_GROUPS[user_group]
+

@@ -1,0 +1,117 @@
+"""What a transport is: it puts one partition of a bucket on the wire and hands back a `Handle`.
+
+The reducer decides *which* partition goes *when*; a transport decides what
+that means on the wire (an all-reduce among the replicas; a push to a
+parameter server and the pull of its answer; later reduce-scatter/all-gather
+or a codec).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from commsched.errors import CommunicationTimeout
+from commsched.layout.buckets import Bucket, BucketSet
+from commsched.layout.partitions import Partition
+
+
+class Handle(Protocol):
+    """An operation in flight. It keeps its buffers alive until waited on."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise `CommunicationTimeout` after ``timeout_s``."""
+
+    def is_completed(self) -> bool:
+        """True once the operation has finished (without blocking)."""
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread) once the operation has finished."""
+
+
+class CompletedHandle:
+    """A handle for work that needed no communication (a single replica)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        callback()
+
+
+COMPLETED = CompletedHandle()
+
+
+@dataclass(frozen=True)
+class TransportStatus:
+    """What a transport is, and where it sends the partitions."""
+
+    description: str
+    """One line for logs and `commsched.status`."""
+    placement: str | None = None
+    """Where each partition goes, for the trace (None: nothing beyond the description)."""
+    server_bytes: tuple[int, ...] = ()
+    """Bytes of partitions each server holds (empty without servers)."""
+
+
+class Transport(Protocol):
+    """Moves partitions of gradient buckets; built by `commsched.prepare` for its backend."""
+
+    world_size: int
+    """The number of data-parallel replicas (ranks that compute gradients)."""
+
+    is_local: bool
+    """True when nothing goes on the wire (a single replica)."""
+
+    join_refusal: str | None
+    """Why a rank out of batches cannot shadow the others' iterations under torch's ``Join``
+    (see [Note: uneven inputs] in `commsched.engine.join`), or None where it can."""
+
+    sums_usage_flags: bool
+    """True when a partition arrives summed over the replicas, so per-parameter
+    "has a gradient" flags can ride in the tail of the flags bucket
+    (see [Note: unused parameters] in `commsched.engine.backward_pass`)."""
+
+    def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
+        """The buckets exist: cut them into partitions (the units on the wire) of about
+        ``partition_bytes`` (None: whole buckets), or into the transport's own units,
+        and get ready."""
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` is final for this iteration: prepare it for the wire."""
+
+    def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
+        """A synchronised backward pass starts (``new_plan``: the issue order just agreed, if it changed)."""
+
+    def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
+        """Start communicating ``partition`` of ``bucket``; return at once.
+
+        ``has_grad[slot]``: whether this rank holds a gradient for that parameter.
+        """
+
+    def explain_failure(self, error: CommunicationTimeout) -> None:
+        """A collective among the replicas failed: raise a more precise error if one is known."""
+
+    def describe(self) -> TransportStatus:
+        """What this transport is and, once attached, where the partitions go."""
+
+    def finish(self) -> None:
+        """No more iterations: release peers waiting for this rank (idempotent)."""
+
+    def forget_process_groups(self) -> None:
+        """At exit, after `finish`: drop references to process groups (see [Note: process groups at exit])."""
+
+
+@contextmanager
+def failures_explained(transport: Transport) -> Iterator[None]:
+    """Let ``transport`` name the lost rank when a collective among the replicas fails inside."""
+    try:
+        yield
+    except CommunicationTimeout as error:
+        transport.explain_failure(error)
+        raise

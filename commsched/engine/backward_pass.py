@@ -1,0 +1,294 @@
+"""`BackwardPass`: everything one synchronised backward pass owns, from its first gradient on.
+
+A pass lives from the first gradient hook of its backward until the next
+synchronised backward begins: under forward overlap its reductions are still
+in flight, and its updates pending, while the next forward pass runs. The next
+pass waits for all of it and the object is dropped; nothing in it is ever
+reset. Per bucket a pass goes: pending gradients -> ready (averaged, issued
+by the `Dispatcher`) -> reduced (its handles waited for) -> updated (once
+``step()`` released the update).
+
+[Note: unused parameters] A parameter may get no gradient in an iteration on
+some ranks or on all. When the transport sums partitions over the replicas,
+each rank writes, per parameter, whether it holds a gradient into a few extra
+elements at the end of the *flags bucket* (the one the next forward needs
+first, whose gradients are ready last anyway); it is issued only at the end of
+the backward pass, when every flag is known. The sum over ranks tells every
+rank which parameters no rank used: those keep ``grad=None`` and are not
+updated, exactly as in single-process training. No extra collective, and no
+``find_unused_parameters`` switch. (A parameter server receives the flags with
+each push instead, and a worker keeps its own ``grad=None``.)
+
+[Note: nested backward passes] Reentrant activation checkpointing computes a
+block's gradients in a backward pass of its own, nested in the outer one; a
+parameter used both inside such a block and outside it (weight tying, a
+penalty) gets its gradient accumulated twice, once per pass, and its bucket
+must not go out before the second. The first pass of a model holds every bucket
+until the end of backward and notes which parameters got their gradient twice;
+later passes hold only their buckets, so the per-gradient path checks nothing
+more than a flag it reads anyway. A second accumulation into
+a bucket already issued (a pattern first seen later) is an error that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commsched.comm.transport import Handle, Transport
+from commsched.engine.completion import CallbackTracker
+from commsched.engine.dispatch import Dispatcher
+from commsched.engine.events import Observer
+from commsched.layout.grad_layout import GradLayout
+from commsched.layout.partitions import Partition, Plan
+from commsched.update.base import Hyperparameters, UpdatePolicy
+from commsched.update.grad_scaling import GradScaling
+from commsched.watch.guards import gradient_twice_error
+
+
+@dataclass
+class IterationFigures:
+    """What one synchronised iteration cost, as this rank saw it."""
+
+    iteration: int
+    partitions_issued: int = 0
+    bytes_issued: int = 0
+    exposed_wait_s: float = 0.0
+    """Time the training thread waited for reductions (end of backward, gates,
+    ``synchronize()``): communication that was not hidden."""
+    update_s: float = 0.0
+    """Time spent updating buckets."""
+
+
+class BackwardPass:
+    """One synchronised iteration's gradients, reductions and updates."""
+
+    def __init__(
+        self,
+        iteration: int,
+        layout: GradLayout,
+        plan: Plan,
+        transport: Transport,
+        policy: UpdatePolicy,
+        events: Observer,
+        tracker: CallbackTracker,
+        timeout_s: float,
+        overlapping: bool,
+        held_buckets: frozenset[int] | None = None,
+    ):
+        self.iteration = iteration
+        self.overlapping = overlapping
+        """Forward overlap is on for this pass: ``step()`` releases the updates to the gates."""
+        self._layout, self._transport, self._policy, self._events = layout, transport, policy, events
+        self._timeout_s = timeout_s
+        num_buckets, num_slots = len(layout.buckets), len(layout.params)
+        self._pending = list(layout.bucket_param_counts)
+        self._ready = [False] * num_slots
+        self.has_grad = [False] * num_slots
+        """Per slot: whether this rank produced (or was given) a gradient in this pass."""
+        self._handles: list[list[Handle]] = [[] for _ in range(num_buckets)]
+        self._launch_versions = [0] * num_buckets
+        self._reduced = [False] * num_buckets
+        self._updated = [False] * num_buckets
+        self.outstanding = num_buckets
+        """Buckets not yet updated (or marked done by a plain ``optimizer.step()``)."""
+        self._unowned_slots: list[int] = []
+        self._globally_unused: frozenset[int] = frozenset()
+        self.views_handed: frozenset[int] = frozenset()
+        """Slots whose zeroed bucket view was made their ``.grad`` as this backward started
+        (see [Note: views ahead of backward]): without a gradient, they are None again."""
+        self._flags_settled = False
+        self.hyperparameters: Hyperparameters | None = None
+        """Set by ``step()``: the updates are released, with these hyper-parameters."""
+        self.scaling: GradScaling | None = None
+        """Set by ``step()`` under a ``GradScaler``: the loss scale and its inf/NaN verdict."""
+        self.stepped = False
+        self.grads_final = False
+        """``synchronize()`` ran: gradients are averaged and may be changed before ``step()``."""
+        self.grads_released = False
+        """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
+        self.figures = IterationFigures(iteration)
+        self._held = (frozenset(range(num_buckets)) if held_buckets is None else held_buckets) | {layout.flags_bucket}
+        """Buckets issued only when the backward pass ends; see [Note: nested backward passes]."""
+        self.repeated_slots: set[int] = set()
+        """Slots whose gradient was accumulated twice in this pass (a nested backward pass)."""
+        self._dispatcher = Dispatcher(
+            plan, self._launch, tracker, credit_from_completions=plan.credit_bytes is not None and not transport.is_local
+        )
+
+    # ---------------------------------------------------------------- backward
+    @property
+    def all_gradients_ready(self) -> bool:
+        return all(self._ready)
+
+    def gradient_ready(self, slot: int) -> None:
+        """Parameter ``slot``'s gradient sits in its bucket; a complete bucket goes out."""
+        bucket = self._layout.bucket_of[slot]
+        if self._ready[slot]:
+            # Accumulated again, in place, in its bucket: right only if not issued yet.
+            if bucket not in self._held:
+                raise RuntimeError(gradient_twice_error(self._layout.names[slot]))
+            self.repeated_slots.add(slot)
+            return
+        self._ready[slot] = True
+        self.has_grad[slot] = True
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0 and bucket not in self._held:
+            self._bucket_ready(bucket)
+
+    def end_backward(self, without_gradients: bool = False) -> None:
+        """The autograd engine is done: settle the parameters that got no gradient, issue the rest.
+
+        ``without_gradients``: this rank contributes nothing (it shadows the
+        others' iteration; see [Note: uneven inputs] in `commsched.engine.reducer`).
+        """
+        self._dispatcher.end_backward()
+        if not all(self._ready):
+            self._resolve_unready_parameters(without_gradients)
+        flags = self._layout.flags_bucket
+        for bucket in sorted(self._held - {flags}):
+            self._bucket_ready(bucket)
+        self._bucket_ready(flags)
+        self._dispatcher.issue_remaining()
+
+    def _bucket_ready(self, index: int) -> None:
+        layout = self._layout
+        bucket = layout.buckets[index]
+        self._transport.bucket_ready(bucket)
+        if index == layout.flags_bucket and bucket.tail.numel():
+            bucket.tail.copy_(_host_tensor(self.has_grad, bucket.tail), non_blocking=True)
+        self._launch_versions[index] = bucket.flat._version
+        self._events.bucket_ready(index)
+        self._dispatcher.bucket_ready(index)
+
+    def _launch(self, partition: Partition) -> Handle:
+        """Called by the dispatcher, on the training thread or a communication thread."""
+        bucket = partition.bucket
+        handle = self._transport.launch(partition, self._layout.buckets[bucket], self.has_grad)
+        self._handles[bucket].append(handle)
+        figures = self.figures
+        figures.partitions_issued += 1
+        figures.bytes_issued += partition.nbytes
+        self._events.partition_issued(partition, handle)
+        return handle
+
+    def _resolve_unready_parameters(self, without_gradients: bool) -> None:
+        layout = self._layout
+        for slot, ready in enumerate(self._ready):
+            if ready:
+                continue
+            param, view = layout.params[slot], layout.views[slot]
+            grad = None if without_gradients else param.grad
+            if grad is view and slot in self.views_handed:
+                grad = param.grad = None
+            if grad is None:
+                view.zero_()
+                self._unowned_slots.append(slot)
+            elif grad is not view:
+                view.copy_(grad)
+                param.grad = view
+            self.has_grad[slot] = grad is not None
+            self._ready[slot] = True
+            bucket = layout.bucket_of[slot]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0 and bucket not in self._held:
+                self._bucket_ready(bucket)
+
+    # -------------------------------------------------------------- completion
+    def complete_buckets(self, buckets: Sequence[int]) -> None:
+        """Wait for these buckets' reductions; update those ``step()`` released."""
+        for bucket in buckets:
+            if not self._updated[bucket]:
+                self._complete_bucket(bucket)
+
+    def complete_all(self) -> None:
+        for bucket in range(len(self._layout.buckets)):
+            self._complete_bucket(bucket)
+
+    def _complete_bucket(self, bucket: int) -> None:
+        if not self._reduced[bucket]:
+            self._wait_reduced(bucket)
+        if not self._flags_settled and (bucket == self._layout.flags_bucket or self._unowned_slots):
+            self._settle_flags()
+        if self.hyperparameters is not None and not self._updated[bucket]:
+            started = time.perf_counter()
+            self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.scaling)
+            finished = time.perf_counter()
+            self.figures.update_s += finished - started
+            self._events.bucket_updated(bucket, started, finished)
+            self._updated[bucket] = True
+            self.outstanding -= 1
+
+    def settled(self, bucket: int) -> bool:
+        """Nothing of this pass still writes or reads the bucket's gradients (a reduction or an update)."""
+        return self._reduced[bucket] and (self._updated[bucket] or self.hyperparameters is None)
+
+    def _wait_reduced(self, bucket: int) -> None:
+        started = time.perf_counter()
+        for handle in self._handles[bucket]:
+            handle.wait(self._timeout_s)
+        self._reduced[bucket] = True
+        finished = time.perf_counter()
+        self.figures.exposed_wait_s += finished - started
+        self._events.reduction_waited(bucket, started, finished)
+
+    def _settle_flags(self) -> None:
+        """Read which parameters some rank used; see [Note: unused parameters]."""
+        layout = self._layout
+        flags = layout.flags_bucket
+        if not self._reduced[flags]:
+            self._wait_reduced(flags)
+        self._flags_settled = True
+        if not self._unowned_slots:
+            return
+        tail = layout.buckets[flags].tail
+        if not tail.numel():
+            # The servers were told with each push; this rank keeps its own grad=None.
+            self._unowned_slots = []
+            return
+        used_by_some_rank = tail.tolist()
+        unused = []
+        for slot in self._unowned_slots:
+            if used_by_some_rank[slot] == 0:
+                unused.append(slot)
+            elif not self.grads_released:
+                layout.params[slot].grad = layout.views[slot]
+        self._globally_unused = frozenset(unused)
+        self._unowned_slots = []
+
+    # -------------------------------------------------------------------- step
+    def release_updates(self, hyperparameters: Hyperparameters, scaling: GradScaling | None = None) -> None:
+        """``step()``: each bucket is updated once reduced (now, or at its gate)."""
+        self.hyperparameters = hyperparameters
+        self.scaling = scaling
+
+    def mark_updated(self) -> None:
+        """The optimizer stepped every parameter itself (after every reduction)."""
+        self._updated = [True] * len(self._layout.buckets)
+        self.outstanding = 0
+
+    def gradients_changed(self) -> bool:
+        """True if a bucket's gradients were changed in place after it was issued."""
+        return any(
+            bucket.flat._version != version
+            for bucket, version in zip(self._layout.buckets, self._launch_versions, strict=True)
+        )
+
+    def drop_handles(self) -> None:
+        """Let go of every operation: once the pass is over, or at exit (see [Note: process groups at exit])."""
+        self._handles = [[] for _ in self._handles]
+        self._dispatcher.forget_in_flight()
+
+
+def _host_tensor(values: Sequence[bool], like: torch.Tensor) -> torch.Tensor:
+    """``values`` on the host, to copy into ``like`` without making the host wait.
+
+    For a CUDA tensor it is pinned: a copy from pageable memory would wait for
+    the GPU to catch up with everything launched so far, every iteration. The
+    pinned block is not reused before the copy has run (torch's host allocator
+    records the copy's stream).
+    """
+    return torch.tensor(values, dtype=like.dtype, pin_memory=like.is_cuda)

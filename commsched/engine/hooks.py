@@ -1,0 +1,84 @@
+"""The hooks a prepared model carries for its whole life: thin, each calls one method of a `HookTarget`.
+
+- per trainable parameter, a post-accumulate-grad hook: `HookTarget.gradient_ready`;
+- the root's forward pre-hook: `HookTarget.before_forward`;
+- the root's forward hook, which arms the first output gradient of the coming
+  backward pass to call `HookTarget.backward_starting`, before any parameter's
+  gradient exists (see [Note: views ahead of backward] in
+  `commsched.engine.views_ahead`).
+
+Hooks of one phase (the gates, the first forward pass's recording, the reads
+watched during warm-up) belong to the objects of that phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from commsched.watch.autograd_context import running_backward
+
+
+class HookTarget(Protocol):
+    """What the hooks call: the reducer."""
+
+    def gradient_ready(self, slot: int, param: torch.Tensor) -> None:
+        """Autograd accumulated parameter ``slot``'s gradient (hot path)."""
+
+    def before_forward(self) -> None:
+        """The prepared model's forward pass begins (not a recomputation during backward)."""
+
+    def backward_starting(self) -> None:
+        """The gradient of the model's output is being computed: a backward pass through the model begins."""
+
+
+class ModelHooks:
+    """Registers the model-long hooks on ``root`` and its ``params``; `remove` takes them off."""
+
+    def __init__(self, root: torch.nn.Module, params: Sequence[torch.nn.Parameter], target: HookTarget):
+        self._target = target
+        self._handles: list[RemovableHandle] = [
+            param.register_post_accumulate_grad_hook(_gradient_hook(target, slot))
+            for slot, param in enumerate(params)
+        ]
+        self._handles.append(root.register_forward_pre_hook(self._before_forward))
+        self._handles.append(root.register_forward_hook(self._arm_backward_start))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before_forward(self, module: torch.nn.Module, args: object) -> None:
+        if running_backward():
+            return  # [Note: recomputation] in commsched.watch.autograd_context
+        self._target.before_forward()
+
+    def _arm_backward_start(self, module: torch.nn.Module, args: object, output: object) -> None:
+        """The first output gradient of the coming backward pass tells the target it starts."""
+        if running_backward() or not torch.is_grad_enabled():
+            return
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        armed = [True]
+        target = self._target
+
+        def on_output_gradient(grad: torch.Tensor) -> None:
+            if armed[0]:
+                armed[0] = False
+                target.backward_starting()
+
+        for tensor in outputs:
+            tensor.register_hook(on_output_gradient)
+
+
+def _gradient_hook(target: HookTarget, slot: int) -> Callable[[torch.Tensor], None]:
+    def on_gradient_accumulated(param: torch.Tensor) -> None:
+        target.gradient_ready(slot, param)
+
+    return on_gradient_accumulated

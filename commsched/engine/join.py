@@ -1,0 +1,101 @@
+"""Uneven inputs: torch's ``Join`` context manager with a prepared model.
+
+[Note: uneven inputs] When ranks run different numbers of iterations (an
+uneven ``DistributedSampler``), a rank that runs out of batches would leave the
+others waiting in their collectives. As with torch DDP, training loops run
+under ``torch.distributed.algorithms.join.Join([model])``: every forward pass
+that will reduce gradients counts the ranks still training (one asynchronous
+all-reduce on the buffer group), and a rank that has left its loop takes part
+in each of the others' iterations with no gradients (`JoinParticipant.shadow_iteration`):
+the buffer broadcast, then every partition in plan order, holding zeros and
+flagged unused. Gradients are still divided by the full world size, as DDP's
+default (``divide_by_initial_world_size``). When the last rank is done, every
+rank takes the parameters and buffers of one of the ranks that trained longest
+(its optimizer state stays its own, as with DDP).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch.distributed.algorithms.join import JoinHook
+
+from commsched.comm.agreement import broadcast_from, highest_rank_still_training
+from commsched.comm.side_groups import takes_cpu_tensors
+from commsched.engine.groups import ProcessGroups
+
+
+class JoinParticipant(Protocol):
+    """What a rank out of batches runs: the reducer."""
+
+    def shadow_iteration(self) -> None:
+        """One iteration of the others' collectives, with no gradient of its own."""
+
+    def synchronize(self) -> None:
+        """Wait for every reduction and update in flight."""
+
+
+class UnevenInputs:
+    """What ``Join`` asks of a prepared model: its hook, the device and group of its counts."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: ProcessGroups,
+        reference: torch.Tensor,
+        timeout_s: float,
+        refusal: str | None,
+        overlap_requested: bool,
+    ):
+        """``reference``: a parameter, on whose device the counts go where the group takes no CPU
+        tensors; ``refusal``: why the backend cannot shadow an iteration (None: it can)."""
+        self._module, self._groups, self._reference = module, groups, reference
+        self._timeout_s, self._refusal, self._overlap_requested = timeout_s, refusal, overlap_requested
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model runs inside an enabled ``Join`` now."""
+        config = getattr(self._module, "_join_config", None)
+        return config is not None and config.enable
+
+    @property
+    def process_group(self):  # noqa: ANN201 - a torch ProcessGroup
+        """Join's count of the ranks still training goes here: beside the gradients, not behind them."""
+        return self._groups.buffers
+
+    @property
+    def device(self) -> torch.device:
+        if takes_cpu_tensors(self.process_group):
+            return torch.device("cpu")
+        return self._reference.device
+
+    def hook(self, participant: JoinParticipant) -> JoinHook:
+        """The hook ``Join`` runs; what a joined rank cannot shadow is refused here rather than as a hang."""
+        if self._refusal is not None:
+            raise RuntimeError(self._refusal)
+        if self._groups.buffers is self._groups.replicas and self._overlap_requested:
+            raise RuntimeError(
+                "Join (uneven inputs) with forward overlap needs commsched's control group, which is made "
+                "only for the default process group: prepare() without process_group=, or use "
+                "Strategy(overlap_forward=False)."
+            )
+        return ShadowIterations(participant, self._module, self._groups, self._timeout_s)
+
+
+class ShadowIterations(JoinHook):
+    """What a prepared model does under ``Join`` once its rank has run out of batches."""
+
+    def __init__(self, participant: JoinParticipant, module: torch.nn.Module, groups: ProcessGroups,
+                 timeout_s: float):
+        self._participant, self._module, self._groups, self._timeout_s = participant, module, groups, timeout_s
+
+    def main_hook(self) -> None:
+        self._participant.shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self._participant.synchronize()
+        group, timeout_s = self._groups.buffers, self._timeout_s
+        source = highest_rank_still_training(is_last_joiner, group, timeout_s)
+        module = self._module
+        broadcast_from([*module.parameters(), *module.buffers()], source, group, timeout_s)

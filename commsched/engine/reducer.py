@@ -1,0 +1,517 @@
+"""The gradient reducer: one per prepared model, the coordinator of its engine.
+
+Flow of one gradient (docs/architecture.md has the whole picture): its hook
+(`commsched.engine.hooks`) -> `GradientReducer.gradient_ready` ->
+`BackwardPass.gradient_ready` -> a complete bucket -> `Dispatcher` (plan
+order, credit) -> `Transport.launch` -> `Handle` completes -> the pass
+completes the bucket -> `UpdatePolicy.update` (at ``step()`` without overlap,
+at the module's gate with it).
+
+The reducer holds what lasts across iterations and sequences it: the
+`RunConfig` (with the layout in use), the `GradLayout`, the agreed `Plan`, the
+`Lifecycle` and the current `BackwardPass`; and it answers the user's calls
+(``step``, ``synchronize``, ``zero_grad``, ``no_sync``). Every other job is an
+object it owns, each handed what it needs: the hooks, the forward gating, the
+warm-up (dropped when it is over), the tuning session, the buffer broadcast,
+Join's support and the shutdown.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
+
+from commsched.comm.transport import Transport, failures_explained
+from commsched.engine.backward_pass import BackwardPass, IterationFigures
+from commsched.engine.buffers import BufferBroadcast
+from commsched.engine.completion import CallbackTracker
+from commsched.engine.config import RunConfig
+from commsched.engine.events import EventBus
+from commsched.engine.gating import ForwardGating
+from commsched.engine.groups import ProcessGroups
+from commsched.engine.hooks import ModelHooks
+from commsched.engine.join import UnevenInputs
+from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
+from commsched.engine.shutdown import Shutdown
+from commsched.engine.trace import Tracer
+from commsched.engine.tuning import TuningSession
+from commsched.engine.views_ahead import ViewsAhead
+from commsched.engine.warmup import Warmup, WarmupResult
+from commsched.errors import communication_failed
+from commsched.layout.grad_layout import GradLayout, build_layout
+from commsched.layout.partitions import Plan, fifo_plan
+from commsched.planning.cost_model import Choice
+from commsched.planning.plans import WarmupTimeline, bucket_ready_s, plan_on_rank0
+from commsched.tuning.guesses import TuningStart
+from commsched.update.base import UpdatePolicy
+from commsched.update.grad_scaling import GRAD_SCALER_REASON, GradScaling
+from commsched.watch.autograd_context import inside_outer_backward
+from commsched.watch.fingerprint import ParameterFingerprint
+from commsched.watch.guards import (
+    BACKWARD_UNFINISHED,
+    GRADIENTS_CHANGED_REASON,
+    check_gradient_kind,
+    grad_scaler_after_warmup_error,
+    gradients_touched_error,
+    synchronize_during_backward_error,
+)
+
+logger = logging.getLogger("commsched")
+
+ONE_REPLICA_REASON = "one replica: there is no reduction to hide, so every bucket is updated at step()"
+
+TUNED_OVERLAP_OFF = "the auto-tuner's setting in use has forward overlap off"
+
+
+class GradientReducer:
+    """The layout, the plan, the current pass and the lifecycle of one prepared model; the user's calls."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: RunConfig,
+        transport: Transport,
+        policy: UpdatePolicy,
+        groups: ProcessGroups,
+    ):
+        self.module, self.config, self.transport, self.policy, self.groups = module, config, transport, policy, groups
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.lifecycle = Lifecycle.RECORDING
+        self.layout: GradLayout | None = None
+        self.plan: Plan | None = None
+        self.current: BackwardPass | None = None
+        """The latest synchronised backward pass (its updates may still be pending)."""
+        self.previous_figures: IterationFigures | None = None
+        self.choice: Choice | None = None
+        """The cost model's choice (its reasons on rank 0 only), once made."""
+        self.tuning: TuningSession | None = None
+        """With ``Strategy(autotune=True)``, from the end of warm-up on."""
+        self._timeline: WarmupTimeline | None = None
+        """What plans for a new layout are made from, kept from warm-up."""
+        self._phase = Phase.IDLE
+        self._end_deferred = False
+        """The backward pass's end-of-pass callback ran in a nested backward pass
+        before every gradient was in; see [Note: nested backward]."""
+        self._sync_enabled = True
+        self._overlap_blocked = policy.overlap_blocker
+        if config.overlap_requested and self._overlap_blocked:
+            logger.warning("commsched: overlap_forward is off: %s", self._overlap_blocked)
+        elif transport.is_local:
+            # Nothing to hide: gates and deferred updates would only cost time.
+            self._overlap_blocked = ONE_REPLICA_REASON
+        self._repeated_slots: frozenset[int] | None = None
+        """Slots whose buckets are issued only at the end of backward (None: all, until
+        a first pass was seen); see [Note: nested backward passes]."""
+        self._views_ahead = ViewsAhead(module, self.params)
+        self._fingerprint = ParameterFingerprint(module)
+        self._events = EventBus()
+        self._tracker = CallbackTracker()
+        if config.trace_dir is not None:
+            self._events.subscribe(
+                Tracer(config.trace_dir, dist.get_rank(groups.replicas), module, self.params, self._tracker)
+            )
+        self.gating = ForwardGating(module, self.params, self.names, self.wait_for_buckets)
+        self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build)
+        """Until warm-up is over and the reads it watched are no longer watched."""
+        self.hooks = ModelHooks(module, self.params, self)
+        self.buffers = BufferBroadcast(list(module.modules()), groups, config.timeout_s,
+                                       config.broadcast_buffers and transport.world_size > 1)
+        self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s, transport.join_refusal,
+                                          config.overlap_requested)
+        self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current)
+        if not config.priority:
+            # Registration order reversed approximates the order gradients are produced.
+            self._build(list(range(len(self.params))), {})
+
+    # ---------------------------------------------------------------- state
+    @property
+    def overlap_off_reason(self) -> str | None:
+        """Why forward overlap is (or will be) off; None while it is on or still possible."""
+        if not self.config.overlap_requested:
+            return "Strategy(overlap_forward=False)"
+        if self._overlap_blocked:
+            return self._overlap_blocked
+        if not self.config.layout.overlap_forward:
+            return TUNED_OVERLAP_OFF
+        return None
+
+    def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
+        """The first layout, once the forward order is known; warm-up starts."""
+        self.gating.readers_found(read_before_owner)
+        self._relayout(forward_order)
+        overlap_possible = self.overlap_off_reason is None and self.policy.per_bucket
+        self.warmup.layout_built(self.gating.modules() if overlap_possible else None)
+        self.lifecycle = Lifecycle.WARMUP
+
+    def _relayout(self, forward_order: Sequence[int]) -> None:
+        """Buckets, partitions and gates for the layout in use; gradients move into the new buckets."""
+        config, transport = self.config, self.transport
+        self.gating.remove_gates()
+        if self.layout is not None:
+            # Let go of the old buckets first: with the activations of a forward pass
+            # alive, old and new buffers together would raise the peak memory by one
+            # copy of every gradient. (Gradients still in them move bucket by bucket.)
+            # The finished passes that held them are in reference cycles with their
+            # completion callbacks: only a collection frees them (once per layout).
+            self.layout = None
+            self.policy.detach()
+            gc.collect()
+        layout = build_layout(
+            self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
+            lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
+        )
+        self.layout = layout
+        self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), config.credit_bytes)
+        self.policy.attach(layout)
+        if self.overlap_off_reason is None:
+            self.gating.install(layout)
+        self._events.layout_built(layout, transport.describe().placement)
+
+    def _finish_warmup(self) -> tuple[int, ...] | None:
+        """At the first iteration after warm-up: the cost model's choice, the plan, overlap or not, tuning.
+
+        Returns the new plan's order if there is one.
+        """
+        started = time.perf_counter()
+        result = self.warmup.finish(self.layout)
+        self.choice = result.choice
+        new_order = None
+        if result.timeline is not None:
+            if result.choice is not None:
+                self._use_partitioning(result.choice)
+            self._timeline = result.timeline
+            self.plan = self._agree_on_plan()
+            new_order = self.plan.order
+            logger.info("commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
+                        len(new_order), len(self.layout.buckets), (time.perf_counter() - started) * 1e3)
+        self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        if result.reads is not None and self.lifecycle is Lifecycle.OVERLAPPING:
+            self.gating.use_recorded_reads(result.reads, self.layout)
+        if self.config.tuning is not None and self._timeline is not None:
+            self.tuning = self._start_tuning(result)
+            new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
+        return new_order
+
+    def _use_partitioning(self, choice: Choice) -> None:
+        """Lay the buckets out anew if the cost model chose another partitioning.
+
+        Runs at the first gradient of the first iteration after warm-up, on every
+        rank (the choice is rank 0's), before that pass's state exists: the
+        reductions of the previous pass are complete and its updates applied, and
+        the gradients accumulated so far move into the new buckets.
+        """
+        chosen, in_use = choice.setting, self.config.layout
+        if (chosen.partition_mb, chosen.credit_mb) == (in_use.partition_mb, in_use.credit_mb):
+            return
+        self.config = self.config.with_layout(in_use.with_partitioning(chosen.partition_mb, chosen.credit_mb))
+        self._relayout(self.layout.forward_order)
+        logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
+                    len(self.layout.partitions), choice.reason)
+
+    def _agree_on_plan(self) -> Plan:
+        """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
+        timeline, layout = self._timeline, self.layout
+        ready = bucket_ready_s(timeline.slot_ready_s, layout, self._held_buckets() or frozenset())
+        with failures_explained(self.transport):
+            return plan_on_rank0(layout.partitions, ready, timeline, self.config.credit_bytes, self.groups.control,
+                                 self.config.timeout_s)
+
+    # ------------------------------------------------------------- auto-tuning
+    def _start_tuning(self, warmup: WarmupResult) -> TuningSession:
+        allowed = self.config.overlap_requested and self._overlap_blocked is None
+        start = TuningStart(self.config.layout, warmup.cost_timeline, allowed,
+                            tuple((p.numel(), p.element_size()) for p in self.params),
+                            tuple(self.layout.forward_order), dist.get_world_size(self.groups.replicas))
+        gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return TuningSession(self.config.tuning, start, gradient_bytes, self.groups, self.transport,
+                             self.config.timeout_s)
+
+    def _tuning_switch_point(self, iteration: int) -> tuple[int, ...] | None:
+        """[Note: auto-tuning] The setting rank 0 decided, laid out and planned on every rank.
+
+        Runs where `_use_partitioning` runs (the start of a synchronised pass,
+        before its state exists), on every rank at the same iteration. Returns
+        the new plan's order if the layout changed.
+        """
+        layout_before, overlap_before = self.config.layout.layout(), self.overlap_off_reason
+        setting = self.tuning.switch_point(iteration, self.config.layout)
+        self.config = self.config.with_layout(setting)
+        if setting.layout() == layout_before and self.overlap_off_reason == overlap_before:
+            return None
+        self._relayout(self.layout.forward_order)
+        self.gating.map_reads(self.layout)
+        self.plan = self._agree_on_plan()
+        self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        logger.info("commsched: %s from iteration %d on (%s): %d buckets, %d partitions", setting.describe(),
+                    iteration, self.tuning.log.describe(), len(self.layout.buckets), len(self.layout.partitions))
+        return self.plan.order
+
+    def _layout_may_change(self, iteration: int) -> bool:
+        """Whether the pass of ``iteration`` may lay the buckets out anew (the end of warm-up, a tuning switch)."""
+        return iteration == WARMUP_ITERATIONS or (self.tuning is not None and self.tuning.switches_at(iteration))
+
+    def _held_buckets(self) -> frozenset[int] | None:
+        """Buckets issued only at the end of backward; see [Note: nested backward passes]."""
+        if self._repeated_slots is None:
+            return None
+        return frozenset(self.layout.bucket_of[slot] for slot in self._repeated_slots)
+
+    # ---------------------------------------------------------------- backward
+    def gradient_ready(self, slot: int, param: torch.Tensor) -> None:
+        """Hot path: once per parameter per backward pass."""
+        if self._phase is Phase.IDLE:
+            self._begin_backward()
+        elif self._end_deferred:
+            self._end_deferred = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        view = self.layout.views[slot]
+        grad = param.grad
+        if grad is not view:
+            # None before this backward (zero_grad(set_to_none=True)) or replaced by the
+            # user: move it into the bucket once.
+            check_gradient_kind(self.names[slot], grad)
+            view.copy_(grad)
+            param.grad = view
+        self._events.gradient_ready(slot)
+        if self._phase is Phase.BACKWARD:
+            self.current.gradient_ready(slot)
+
+    def _begin_backward(self) -> None:
+        synchronised = self._sync_enabled
+        if synchronised:
+            self.policy.before_backward(self.current is not None and not self.current.stepped)
+        # The previous iteration's reductions write into the buffers we are about to fill.
+        self.synchronize()
+        if self.layout is None:
+            self._build(list(range(len(self.params))), {})
+        self._phase = Phase.BACKWARD if synchronised else Phase.ACCUMULATING
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if synchronised:
+            self._begin_pass()
+
+    def _begin_pass(self) -> None:
+        """A new synchronised iteration: agree on the plan after warm-up, start a `BackwardPass`."""
+        iteration = 0 if self.current is None else self.current.iteration + 1
+        if self.current is not None:
+            # Finished (synchronised): let go of it now, so that buckets laid out anew
+            # below never coexist with the old ones, which it holds. Its operations are
+            # dropped first: the pass and its dispatcher form a cycle, and operations
+            # left in it would be freed by the garbage collector, perhaps only while the
+            # interpreter finalizes (see [Note: process groups at exit]).
+            self.previous_figures = self.current.figures
+            self.current.drop_handles()
+            self.current = None
+        if self.tuning is not None:
+            self.tuning.pass_started(iteration, time.perf_counter())
+        new_order = None
+        if iteration == WARMUP_ITERATIONS:
+            new_order = self._finish_warmup()
+        elif self._layout_may_change(iteration):
+            new_order = self._tuning_switch_point(iteration)
+        self.transport.begin_iteration(iteration, new_order)
+        self.current = BackwardPass(
+            iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
+            self.config.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
+            held_buckets=self._held_buckets(),
+        )
+        self.current.views_handed = self._views_ahead.taken()
+        self._events.iteration_started(iteration)
+
+    def _end_backward(self) -> None:
+        """Runs once the autograd engine has finished this backward pass."""
+        if (
+            self._phase is Phase.BACKWARD and not self.current.all_gradients_ready
+            and inside_outer_backward()
+        ):
+            # [Note: nested backward] The outer pass may still produce gradients: its
+            # next gradient queues this again, or the next use of the model ends the pass.
+            self._end_deferred = True
+            return
+        self._end_deferred = False
+        phase, self._phase = self._phase, Phase.IDLE
+        if phase is not Phase.BACKWARD:
+            return
+        current = self.current
+        current.end_backward()
+        self._repeated_slots = frozenset(current.repeated_slots) | (self._repeated_slots or frozenset())
+        if not current.overlapping:
+            current.complete_all()
+        self._events.backward_finished()
+        if self.warmup is not None:
+            self.warmup.pass_ended(current, self.layout)
+
+    def backward_starting(self) -> None:
+        """[Note: views ahead of backward] Runs in the backward pass, before any gradient hook."""
+        if self._phase is not Phase.IDLE or not self._sync_enabled or self.layout is None:
+            return
+        current = self.current
+        if self._layout_may_change(0 if current is None else current.iteration + 1):
+            return  # gradients in the old buckets would keep them alive beside the new ones
+        self._views_ahead.hand_out(self.layout, (lambda bucket: True) if current is None else current.settled,
+                                   lambda: self._phase is Phase.IDLE)
+
+    def shadow_iteration(self) -> None:
+        """[Note: uneven inputs] On a rank out of batches: one iteration of the others' collectives.
+
+        The forward pass's buffer broadcast, then a backward pass with no
+        gradient (zeros, flagged unused), issued in plan order and waited for;
+        no update, as torch DDP's joined ranks do.
+        """
+        if self.layout is None:
+            raise RuntimeError(
+                "this rank ran out of batches before its first iteration, while the others train; "
+                "commsched learns the bucket layout from the first iteration, so every rank needs at "
+                "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
+            )
+        self.buffers(training=False, under_join=self.uneven_inputs.enabled)
+        self.synchronize()
+        self._phase = Phase.BACKWARD
+        try:
+            self._begin_pass()
+            current = self.current
+            current.end_backward(without_gradients=True)
+            self._events.backward_finished()
+            current.complete_all()
+            if self.warmup is not None:
+                self.warmup.pass_ended(current, self.layout)
+        finally:
+            self._phase = Phase.IDLE
+
+    # ----------------------------------------------------------------- forward
+    def before_forward(self) -> None:
+        self._events.forward_started()
+        self._end_deferred_backward()
+        if self._phase is not Phase.IDLE:
+            raise RuntimeError(BACKWARD_UNFINISHED)
+        self._fingerprint.check()
+        if self._sync_enabled and torch.is_grad_enabled():
+            under_join = self.uneven_inputs.enabled
+            if under_join:
+                # [Note: uneven inputs] Ranks that ran out of batches count this iteration.
+                Join.notify_join_context(self.module)
+            self.buffers(training=True, under_join=under_join)
+        if self.layout is None and torch.is_grad_enabled():
+            self.warmup.record_first_forward()
+
+    def wait_for_buckets(self, buckets: Sequence[int]) -> None:
+        """A forward gate: this module's own buckets must be updated first."""
+        current = self.current
+        if current is not None and current.outstanding:
+            current.complete_buckets(buckets)
+
+    # ------------------------------------------------------------ user's calls
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _end_deferred_backward(self) -> None:
+        """The model is used again, so a backward pass whose end was deferred is over."""
+        if self._end_deferred:
+            self._end_backward()
+
+    def synchronize(self) -> None:
+        """Block until every launched reduction is done, and every released update."""
+        self._end_deferred_backward()
+        if self._phase is not Phase.IDLE:
+            raise synchronize_during_backward_error()
+        current = self.current
+        if current is not None:
+            current.complete_all()
+            # Gradients are final now: changing them before step() is legitimate.
+            current.grads_final = True
+
+    def step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None = None) -> None:
+        """Release this iteration's updates (all at once without overlap).
+
+        ``scaling``: what a ``GradScaler`` handed this step (see [Note: GradScaler]).
+        """
+        started = time.perf_counter()
+        warmup = self.warmup
+        if warmup is not None:
+            warmup.before_step()
+        self._step(optimizer_step, scaling)
+        if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
+            self.warmup = None
+        self._events.step_finished(started, time.perf_counter())
+
+    def _step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None) -> None:
+        self._end_deferred_backward()
+        current = self.current
+        if self.lifecycle is Lifecycle.RELEASED:
+            optimizer_step()
+            return
+        if current is not None and (current.stepped or current.grads_released):
+            # [Note: a step without backward] No new reduced gradients since the last
+            # step(), or zero_grad() dropped them: torch.optim steps on whatever .grad
+            # holds now (nothing, for None), so the optimizer's own step does, once
+            # this pass is finished.
+            self.synchronize()
+            self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
+            current.stepped = True
+            current.mark_updated()
+            return
+        if not self.policy.per_bucket:
+            self.synchronize()
+            optimizer_step()
+            if current is not None:
+                current.stepped = True
+                current.mark_updated()
+            return
+        if current is None:
+            return
+        changed = current.gradients_changed()
+        self.policy.check_step(changed, scaled=scaling is not None)
+        if current.overlapping and not current.grads_final:
+            if scaling is not None:
+                raise grad_scaler_after_warmup_error()
+            if changed:
+                raise gradients_touched_error()
+        current.stepped = True
+        current.release_updates(self.policy.snapshot(), scaling)
+        if current.overlapping and self.gating.updated_at_step:
+            current.complete_buckets(self.gating.updated_at_step)
+        if not current.overlapping:
+            if self.lifecycle is Lifecycle.WARMUP and self.overlap_off_reason is None:
+                reason = GRAD_SCALER_REASON if scaling is not None else GRADIENTS_CHANGED_REASON if changed else None
+                if reason is not None:
+                    self._overlap_blocked = reason
+                    logger.warning("commsched: overlap_forward is off from now on: %s", reason)
+            self.synchronize()
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        self._end_deferred_backward()
+        if not set_to_none:
+            # Zeroing in place would race with reductions still in flight.
+            self.synchronize()
+        elif self.current is not None:
+            # Gradients still being settled must not reappear as .grad afterwards.
+            self.current.grads_released = True
+
+    def close(self) -> None:
+        """Finish what is in flight, let go of peers and hooks: the model trains locally afterwards."""
+        if self.lifecycle is Lifecycle.RELEASED:
+            return
+        if not communication_failed():  # else nothing in flight will finish: see `Shutdown`
+            self.synchronize()
+        self.shutdown()
+        self.hooks.remove()
+        self.gating.close()
+        if self.warmup is not None:
+            self.warmup.close()
+            self.warmup = None
+        self.lifecycle = Lifecycle.RELEASED

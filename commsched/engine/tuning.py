@@ -1,0 +1,80 @@
+"""The auto-tuner inside a run: its switch points, rank 0's decisions, every rank's log.
+
+See [Note: auto-tuning] in `commsched.tuning`. The session exists from the end of
+warm-up on, with ``Strategy(autotune=True)``. At each switch point (the start
+of a synchronised backward pass whose number every rank knows) rank 0's
+`Controller` decides, the decision is broadcast on the control group, and every
+rank applies it to its `TuningLog`; the engine then lays out and plans the
+setting it names, if it changed anything.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from commsched.comm.transport import Transport, failures_explained
+from commsched.engine.groups import ProcessGroups
+from commsched.layout.setting import LayoutSetting
+from commsched.tuning.controller import Controller, TuningConfig
+from commsched.tuning.decision import Decision, Phase, agree_on_decision
+from commsched.tuning.guesses import TuningStart, simulated_guesses, starting_point
+from commsched.tuning.log import TuningLog
+from commsched.tuning.space import SearchSpace
+
+logger = logging.getLogger("commsched")
+
+
+class TuningSession:
+    """One model's auto-tuning: where the switch points are and what each decided."""
+
+    def __init__(
+        self,
+        config: TuningConfig,
+        start: TuningStart,
+        gradient_bytes: int,
+        groups: ProcessGroups,
+        transport: Transport,
+        timeout_s: float,
+    ):
+        """``start``: what warm-up gave (its timeline matters on rank 0 only, where the controller runs)."""
+        self._config, self._start, self._gradient_bytes = config, start, gradient_bytes
+        self._groups, self._transport, self._timeout_s = groups, transport, timeout_s
+        self._controller: Controller | None = None
+        """Rank 0's auto-tuner, made at the first switch point."""
+        self.log = TuningLog()
+        """The decisions so far, the same on every rank."""
+
+    def switches_at(self, iteration: int) -> bool:
+        """Whether the pass of ``iteration`` is a switch point."""
+        return self.log.next_switch == iteration
+
+    def pass_started(self, iteration: int, now_s: float) -> None:
+        """A synchronised pass begins: on rank 0 it ends the interval measured since the last one."""
+        if self._controller is not None:
+            self._controller.pass_started(iteration, now_s)
+
+    def switch_point(self, iteration: int, in_use: LayoutSetting) -> LayoutSetting:
+        """Rank 0 decides, every rank applies (collective on the control group): the setting in use
+        from this pass on."""
+        control = self._groups.control
+        decision = self._decide(iteration, in_use) if dist.get_rank(control) == 0 else None
+        with failures_explained(self._transport):
+            decision = agree_on_decision(decision, control, self._timeout_s)
+        self.log.apply(iteration, decision)
+        return decision.setting
+
+    def _decide(self, iteration: int, in_use: LayoutSetting) -> Decision:
+        """Rank 0's decision; a failure of the tuner stops tuning, never training."""
+        try:
+            if self._controller is None:
+                start = starting_point(self._start)
+                space = SearchSpace.around(self._gradient_bytes, start, self._start.overlap_allowed)
+                self._controller = Controller(space, start, self._config, simulated_guesses(self._start, space))
+            return self._controller.decide(iteration)
+        except Exception:  # noqa: BLE001 - tuning is an optimisation: keep training as it is
+            logger.exception("commsched: auto-tuning stopped at iteration %d; the setting in use stays", iteration)
+            if self._controller is not None:
+                return self._controller.stop()
+            return Decision(Phase.STOPPED, in_use, 0)

@@ -1,0 +1,132 @@
+"""The link, timed once per model at the end of warm-up: the latency, and an all-reduce's cost by size.
+
+Collective: every rank times the same all-reduces, at the end of warm-up's last
+profiled backward pass, where memory is lowest.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import wait_or_raise
+from commsched.layout.grad_layout import GradLayout
+from commsched.planning.schedule import LinkModel
+from commsched.profiling.profile import fit_link
+
+CALIBRATION_BYTES = 8 * 2**20
+"""Largest all-reduce the cost model times to measure the link's bandwidth (once, at the end of warm-up)."""
+
+
+CALIBRATION_REPEATS = 5
+"""All-reduces timed per size to measure the link (see `link_from_samples`)."""
+
+
+LATENCY_REPEATS = 10
+"""One-element all-reduces timed for the round trip (see `measure_latency`)."""
+
+
+def _timed_all_reduce(
+    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str
+) -> tuple[float, float]:
+    """Wall time of one all-reduce of ``buffer``, and the CPU time of this process
+    (every thread) per second of it. Collective."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
+    wall = time.perf_counter() - start
+    return wall, (time.process_time() - cpu_start) / max(wall, 1e-9)
+
+
+def measure_latency(
+    group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = LATENCY_REPEATS
+) -> float:
+    """The quickest of ``repeats`` one-element all-reduces on ``device`` (collective: every rank calls it).
+
+    The quickest, not the median: they run back to back within a millisecond or
+    two, so one slow spell of either host (a descheduled thread) covers most of
+    them, and noise only ever adds time. Their median was above 1 ms in 2 of 60
+    calibrations of a 1 Gbit/s link whose round trip is 0.2 ms, and it is the
+    floor of the fixed cost per collective (`measure_link`), so it made the cost
+    model price every collective up to twenty times too high.
+    """
+    buffer, what = torch.zeros(1, device=device), "the latency measurement before agreeing on a plan"
+    return min(_timed_all_reduce(buffer, group, timeout_s, what)[0] for _ in range(repeats))
+
+
+def measure_link(
+    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
+) -> tuple[LinkModel, float]:
+    """An all-reduce's cost as ``a + n / b`` at two sizes (``nbytes``, capped at
+    `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
+
+    ``a`` is the fixed cost of one collective at the sizes partitions have (the
+    host's work and the link's latency), often well above a one-element round
+    trip, and never taken below ``latency_s``, that round trip. Also returns the
+    CPU time this process spends per second of the larger all-reduce (see
+    `Timeline.transport_cpu_share`). The sizes take turns, after one untimed
+    all-reduce each (the first of a size sets up the transport's buffers), so
+    that a slow spell of the host slows both alike; see `link_from_samples`.
+    """
+    large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
+    sizes = (large // 8 // 4 * 4, large)
+    buffers = [torch.zeros(size // 4, device=device) for size in sizes]
+    what = "the link measurement before choosing the partitioning"
+    for buffer in buffers:
+        _timed_all_reduce(buffer, group, timeout_s, what)
+    samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
+               for _ in range(CALIBRATION_REPEATS)]
+    return link_from_samples(sizes, samples, latency_s)
+
+
+def link_from_samples(
+    sizes: Sequence[int], samples: Sequence[Sequence[tuple[float, float]]], latency_s: float
+) -> tuple[LinkModel, float]:
+    """The line (`fit_link`) through each size's median time, its fixed cost never below
+    ``latency_s``, and the median CPU share of the largest size.
+
+    ``samples`` holds one row per repeat: per size, (wall seconds, CPU share).
+    The fixed cost is the line extrapolated to zero bytes, so an error in one
+    size's time moves it several times over. Medians of 3, the smaller size's
+    all timed before the larger's, once gave 2.4 ms per collective where other
+    clusters of the same cell gave 0.2 to 0.4, and the cost model chose
+    partitions four times larger for it; medians of `CALIBRATION_REPEATS` keep
+    a slow spell of two samples out of the fit.
+    """
+    medians = [statistics.median(wall for wall, _ in column) for column in zip(*samples)]
+    fixed_s, bytes_per_s = fit_link(sizes, medians, latency_s)
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
+    cpu_share = statistics.median(row[largest][1] for row in samples)
+    return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The link, measured idle once per model: see `calibrate`."""
+
+    latency_s: float
+    """A one-element all-reduce's time, as this rank measured it."""
+    link: LinkModel | None = None
+    """An all-reduce's cost by size (None where the cost model does not run)."""
+    transport_cpu_share: float = 0.0
+    """See `Timeline.transport_cpu_share`."""
+
+
+def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool) -> Calibration:
+    """Time the link on ``group`` with tensors on the gradients' device. Collective.
+
+    Runs where memory is lowest, at the end of warm-up's last profiled backward
+    pass: every reduction is complete and the activations are freed. Its
+    all-reduces of up to `CALIBRATION_BYTES` would otherwise add to the peak
+    of a backward pass, with every activation alive.
+    """
+    device = layout.buckets[0].flat.device
+    latency_s = measure_latency(group, device, timeout_s)
+    if not with_link:
+        return Calibration(latency_s)
+    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s)
+    return Calibration(latency_s, link, cpu_share)

@@ -1,0 +1,223 @@
+"""The cost model: from the warm-up's measurements, which partitioning pays on this model and link.
+
+Pure logic, no process group: rank 0 calls `choose` and publishes the result
+(`commsched.planning.plans.choose_on_rank0`).
+
+[Note: the cost model] Partitions and the credit window let urgent gradients
+overtake large, late ones, which pays when the link is busy enough that the
+next forward pass would wait for it. They cost too: buckets are capped at the
+partition size, so there are more, smaller collectives, each with its latency
+and its host work. Where communication hides behind compute anyway (a fast
+link, a small model), that cost is all that is left. So, at the end of warm-up,
+each candidate setting (the configured one, coarser partitions, whole buckets)
+is replayed on rank 0's measured timeline: per parameter, when its gradient
+became ready in the backward pass; how long the forward pass took; the link's
+latency and bandwidth. The predicted cost of a candidate is how long the
+training thread would wait for communication (at the end of backward without
+forward overlap; at the forward pass's layers with it, assuming the forward pass
+reaches each parameter in proportion to the bytes before it), plus one latency
+per collective for the host work, plus the computation that communication
+slows down by running beside it: its time beside the backward and the next
+forward pass times the CPU share of the transport, measured as the process's
+CPU time per second of an all-reduce. On a GPU cluster that share is small and
+overlap is nearly free; on loopback, where the link is the host's own CPU, it
+is large and overlapping hides almost nothing. The cheapest wins; a tie goes to
+fewer collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commsched.layout.buckets import bucket_layout
+from commsched.layout.partitions import make_partitions
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.schedule import LinkModel, simulate_schedule
+from commsched.strategy import Strategy
+
+COARSER_FACTOR = 4
+"""The middle candidate: partitions (and credit) this many times the configured ones."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What rank 0 measured during warm-up (medians over the recorded iterations)."""
+
+    slot_ready_s: tuple[float, ...]
+    """Per parameter slot: when its gradient was ready, from the start of the backward pass."""
+    forward_s: float
+    """From the start of the forward pass to the start of the backward pass."""
+    link: LinkModel
+    """One all-reduce of ``n`` bytes among the replicas, measured idle."""
+    transport_cpu_share: float = 0.0
+    """CPU time this process spent per second of an all-reduce (its communication
+    threads), measured idle, at most 1: the share of communication that competes
+    with computation for the host's cores when the two overlap."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A partitioning candidate: the wire unit and the credit window, in MiB (None: whole / unbounded)."""
+
+    partition_mb: float | None
+    credit_mb: float | None
+
+    def describe(self) -> str:
+        if self.partition_mb is None:
+            return "whole buckets"
+        credit = "no credit window" if self.credit_mb is None else f"credit {self.credit_mb:g} MiB"
+        return f"partitions of {self.partition_mb:g} MiB, {credit}"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    setting: Setting
+    collectives: int
+    wait_s: float
+    """Predicted time the training thread waits for communication per iteration."""
+    host_s: float
+    """Predicted host work of the collectives (one latency each)."""
+    contention_s: float = 0.0
+    """Predicted slowdown of computation by communication running beside it."""
+
+    @property
+    def cost_s(self) -> float:
+        return self.wait_s + self.host_s + self.contention_s
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The setting chosen, and why (for ``commsched.status``)."""
+
+    setting: Setting
+    predictions: tuple[Prediction, ...]
+
+    @property
+    def reason(self) -> str:
+        if not self.predictions:  # a rank other than 0: it follows rank 0's choice
+            return f"rank 0's cost model chose {self.setting.describe()}"
+        chosen = next(p for p in self.predictions if p.setting == self.setting)
+        others = "; ".join(
+            f"{p.setting.describe()}: {p.cost_s * 1e3:.2f} ms ({p.collectives} collectives)"
+            for p in self.predictions if p.setting != self.setting
+        )
+        return (
+            f"{self.setting.describe()}: predicted {chosen.wait_s * 1e3:.2f} ms waiting for communication "
+            f"+ {chosen.host_s * 1e3:.2f} ms for {chosen.collectives} collectives "
+            f"+ {chosen.contention_s * 1e3:.2f} ms of computation slowed by it per iteration"
+            + (f"; against {others}" if others else "")
+        )
+
+
+def candidates(configured: Setting) -> list[Setting]:
+    """The configured setting, a coarser one, and whole buckets (each once)."""
+    found = [configured]
+    if configured.partition_mb is not None:
+        credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
+        found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
+    found.append(Setting(None, None))
+    unique: list[Setting] = []
+    for setting in found:
+        if setting not in unique:
+            unique.append(setting)
+    return unique
+
+
+def applied(strategy: Strategy, setting: Setting) -> Strategy:
+    """``strategy`` with the partitioning of ``setting``."""
+    return dataclasses.replace(strategy, partition_mb=setting.partition_mb, credit_mb=setting.credit_mb)
+
+
+def predict(
+    setting: Setting,
+    params: Sequence[torch.Tensor],
+    forward_order: Sequence[int],
+    layout: LayoutSetting,
+    priority: bool,
+    timeline: Timeline,
+) -> Prediction:
+    """Replay one iteration of ``layout`` with the partitioning of ``setting`` on ``timeline``;
+    see [Note: the cost model]."""
+    candidate = layout.with_partitioning(setting.partition_mb, setting.credit_mb)
+    bucket_slots, priorities = bucket_layout(params, forward_order, candidate.bucket_size_limits_bytes())
+    ready = timeline.slot_ready_s
+    end_of_backward = max(ready, default=0.0)
+    flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
+    bucket_ready = [
+        end_of_backward if b == flags_bucket else max(ready[s] for s in slots) for b, slots in enumerate(bucket_slots)
+    ]
+    numels = [sum(params[s].numel() for s in slots) for slots in bucket_slots]
+    sizes = [params[slots[0]].element_size() for slots in bucket_slots]
+    partitions = make_partitions(numels, sizes, priorities, candidate.partition_bytes)
+    schedule = simulate_schedule(partitions, bucket_ready, timeline.link, candidate.credit_bytes, priority)
+    bucket_done = [end_of_backward] * len(bucket_slots)
+    for p in partitions:
+        bucket_done[p.bucket] = max(bucket_done[p.bucket], schedule.finish_s[p.pid])
+    if layout.overlap_forward:
+        wait = _wait_at_forward(bucket_slots, bucket_done, params, forward_order, end_of_backward, timeline.forward_s)
+        computing_until = end_of_backward + wait + timeline.forward_s
+    else:
+        wait = max(bucket_done) - end_of_backward
+        computing_until = end_of_backward
+    wait = max(0.0, wait)
+    beside_compute = sum(
+        _overlap(schedule.finish_s[p.pid] - timeline.link.duration_s(p.nbytes), schedule.finish_s[p.pid],
+                 end_of_backward, wait, computing_until)
+        for p in partitions
+    )
+    return Prediction(setting, len(partitions), wait, len(partitions) * timeline.link.latency_s,
+                      beside_compute * min(1.0, max(0.0, timeline.transport_cpu_share)))
+
+
+def _overlap(start: float, end: float, end_of_backward: float, wait: float, computing_until: float) -> float:
+    """How long ``[start, end)`` runs beside computation: the backward pass until
+    ``end_of_backward``, then (after ``wait``) the next forward pass until ``computing_until``."""
+    during_backward = max(0.0, min(end, end_of_backward) - start)
+    resumed = end_of_backward + wait
+    during_forward = max(0.0, min(end, computing_until) - max(start, resumed))
+    return during_backward + during_forward
+
+
+def _wait_at_forward(
+    bucket_slots: Sequence[Sequence[int]],
+    bucket_done: Sequence[float],
+    params: Sequence[torch.Tensor],
+    forward_order: Sequence[int],
+    end_of_backward: float,
+    forward_s: float,
+) -> float:
+    """How long the next forward pass stalls: the latest any bucket arrives after its first use.
+
+    The forward pass is taken to reach each parameter after a share of its
+    time equal to the share of parameter bytes used before it.
+    """
+    total = sum(params[s].numel() * params[s].element_size() for s in forward_order) or 1
+    reached_s, seen = {}, 0
+    for slot in forward_order:
+        reached_s[slot] = end_of_backward + forward_s * seen / total
+        seen += params[slot].numel() * params[slot].element_size()
+    return max(
+        (done - min(reached_s[s] for s in slots) for slots, done in zip(bucket_slots, bucket_done, strict=True)),
+        default=0.0,
+    )
+
+
+def choose(
+    layout: LayoutSetting,
+    priority: bool,
+    params: Sequence[torch.Tensor],
+    forward_order: Sequence[int],
+    timeline: Timeline,
+) -> Choice:
+    """The cheapest candidate around ``layout``'s partitioning by predicted cost; a tie goes to fewer
+    collectives. ``priority``: partitions go most urgent first (`Strategy.priority`)."""
+    configured = Setting(layout.partition_mb, layout.credit_mb)
+    predictions = tuple(
+        predict(setting, params, forward_order, layout, priority, timeline) for setting in candidates(configured)
+    )
+    best = min(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
+    return Choice(best.setting, predictions)

@@ -1,0 +1,200 @@
+"""Rank 0 chooses the partitioning and plans the issue order from warm-up's timeline; every rank gets both.
+
+See [Note: the agreed order] in `commsched.layout.partitions` and [Note: the cost
+model] in `commsched.planning.cost_model`. The collectives here run at agreed
+points, on every rank, so that they line up: the choice and the plan at the
+start of the first backward pass after warm-up (and at each of the
+auto-tuner's switch points).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import wait_or_raise
+from commsched.layout.grad_layout import GradLayout
+from commsched.layout.partitions import Partition, Plan
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.calibration import Calibration
+from commsched.planning.cost_model import Choice, Setting, Timeline, choose
+from commsched.planning.schedule import LinkModel, robust_plan, simulate_schedule
+
+LINK_SAFETY_FACTOR = 0.8
+"""Plan for a link this much slower than measured: a partition planned too late costs
+a little idle link time, one planned too early delays the next forward pass."""
+
+
+def wire_bytes_per_s(issued: Sequence[tuple[float, int]], done_s: float, latency_s: float) -> float | None:
+    """The bandwidth ``b`` with which reductions issued at ``issued`` (time, bytes),
+    each taking ``latency_s + bytes / b`` one after the other, all finish at ``done_s``.
+
+    The finish time falls as ``b`` grows, so ``b`` is found by bisection on
+    ``1 / b``. None where even an infinite bandwidth would not finish before
+    ``done_s`` (the observation says nothing about the bandwidth).
+    """
+    if not issued:
+        return None
+    in_order = sorted(issued)
+
+    def finish_s(seconds_per_byte: float) -> float:
+        free_at = 0.0
+        for at, nbytes in in_order:
+            free_at = max(free_at, at) + latency_s + nbytes * seconds_per_byte
+        return free_at
+
+    if finish_s(0.0) >= done_s:
+        return None
+    low, high = 0.0, done_s / max(1, sum(nbytes for _, nbytes in in_order))  # finish_s(high) >= done_s
+    for _ in range(60):
+        middle = (low + high) / 2
+        if finish_s(middle) < done_s:
+            low = middle
+        else:
+            high = middle
+    return 1.0 / high
+
+
+def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: frozenset[int]) -> list[float]:
+    """When each bucket of ``layout`` is ready: its last gradient, or the end of the
+    backward pass for the flags bucket and ``held`` ones (issued only then)."""
+    end = max(slot_ready_s, default=0.0)
+    return [
+        end if b == layout.flags_bucket or b in held else max((slot_ready_s[s] for s in slots), default=0.0)
+        for b, slots in enumerate(layout.bucket_slots)
+    ]
+
+
+def choose_on_rank0(
+    layout: GradLayout,
+    warmup: WarmupTimeline,
+    calibration: Calibration,
+    setting: LayoutSetting,
+    priority: bool,
+    control_group: dist.ProcessGroup,
+    timeout_s: float,
+) -> tuple[Choice, Timeline | None]:
+    """Rank 0 runs the cost model; every rank gets its setting. See [Note: the cost model].
+
+    Collective: the choice goes out on ``control_group``. ``calibration`` must
+    hold the link (`calibrate` with ``with_link``). Returns rank 0's `Choice`
+    (on other ranks, its setting only), and on rank 0 the timeline the cost
+    model saw (None elsewhere).
+    """
+    if calibration.link is None:
+        raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
+    choice = timeline = None
+    message = torch.zeros(2, dtype=torch.float64)
+    if dist.get_rank(control_group) == 0:
+        timeline = Timeline(warmup.slot_ready_s, warmup.forward_s, calibration.link, calibration.transport_cpu_share)
+        choice = choose(setting, priority, layout.params, layout.forward_order, timeline)
+        message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
+                               dtype=torch.float64)
+    if dist.get_world_size(control_group) > 1:
+        work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
+        wait_or_raise(work, timeout_s, "the broadcast of rank 0's choice of partitions")
+    if choice is None:
+        choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())
+    return choice, timeline
+
+
+def _encode_mb(value: float | None) -> float:
+    return -1.0 if value is None else value
+
+
+def _decode_mb(value: torch.Tensor) -> float | None:
+    return None if float(value) < 0 else float(value)
+
+
+def link_sets_the_pace(
+    partitions: Sequence[Partition], last_ready_s: float, forward_s: float, link: LinkModel | None
+) -> bool:
+    """Whether reducing every partition on ``link`` takes at least as long as the
+    computation of an iteration (the backward pass so far and the forward pass).
+
+    False without a measured link: the cautious plan (see `robust_plan`).
+    """
+    if link is None:
+        return False
+    wire_s = sum(link.duration_s(p.nbytes) for p in partitions)
+    return wire_s >= last_ready_s + forward_s
+
+
+def pacing_link(warmup: WarmupTimeline) -> LinkModel | None:
+    """The link `link_sets_the_pace` judges by: idle, where the cost model measured it;
+    otherwise as warm-up saw it (`commsched.engine.ready_times.ReadyTimeProfile.loaded_bytes_per_s`).
+
+    Without the cost model (``Strategy(adaptive=False)``, parameter servers) the
+    warm-up's fit is all there is. For parameter servers it is the right
+    measure anyway: a block's "transfer" is its push, the other workers'
+    pushes and its pull through the busiest server's link, which no
+    all-reduce on an idle link measures.
+    """
+    if warmup.idle_link is not None:
+        return warmup.idle_link
+    if warmup.loaded_bytes_per_s is None:
+        return None
+    return LinkModel(latency_s=warmup.latency_s, bytes_per_s=warmup.loaded_bytes_per_s)
+
+
+def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
+    """The bandwidth plans assume: the one seen while training, never above the idle
+    link's (where measured), times `LINK_SAFETY_FACTOR`; unbounded if neither is known."""
+    bytes_per_s = warmup.loaded_bytes_per_s
+    if warmup.idle_link is not None:
+        bytes_per_s = min(bytes_per_s or math.inf, warmup.idle_link.bytes_per_s)
+    return (bytes_per_s or 1e12) * LINK_SAFETY_FACTOR
+
+
+def plan_order(
+    partitions: Sequence[Partition], bucket_ready: Sequence[float], warmup: WarmupTimeline, credit_bytes: int | None
+) -> list[int]:
+    """Rank 0's plan: priority scheduling simulated on its timeline, hardened by `robust_plan`."""
+    link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=planning_bytes_per_s(warmup))
+    schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
+    last_ready = max(bucket_ready, default=0.0)
+    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, pacing_link(warmup))
+    return robust_plan(partitions, schedule, last_ready, pace)
+
+
+def plan_on_rank0(
+    partitions: Sequence[Partition],
+    bucket_ready: Sequence[float],
+    warmup: WarmupTimeline,
+    credit_bytes: int | None,
+    group: dist.ProcessGroup,
+    timeout_s: float,
+) -> Plan:
+    """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan.
+
+    Collective: every rank calls it at the same point; a peer that does not
+    raises `CommunicationTimeout` after ``timeout_s``. The link is modelled by
+    the measured latency and the bandwidth seen while training
+    (`planning_bytes_per_s`); if the link is
+    faster than that, non-urgent partitions merely go a little later, never
+    ahead of urgent ones. Where the link is slower than the computation
+    (`link_sets_the_pace` on `pacing_link`), the plan keeps the link busy to the end of the
+    backward pass instead (see `robust_plan`).
+    """
+    plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes), dtype=torch.int64)
+    if dist.get_world_size(group) > 1:
+        work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
+        wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
+    return Plan(tuple(partitions), tuple(plan.tolist()), credit_bytes, agreed=True)
+
+
+@dataclass(frozen=True)
+class WarmupTimeline:
+    """What a plan for any layout needs from warm-up, kept when the profile is dropped
+    (the auto-tuner plans each setting it tries from it)."""
+
+    slot_ready_s: tuple[float, ...]
+    loaded_bytes_per_s: float | None
+    latency_s: float
+    forward_s: float = 0.0
+    idle_link: LinkModel | None = None
+    """The link as the cost model measured it, idle (rank 0, when it ran)."""

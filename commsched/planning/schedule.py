@@ -1,0 +1,133 @@
+"""Priority scheduling under credit, simulated on a timeline, and the plan it gives.
+
+Pure logic, no process group. Rank 0 replays one backward pass on its measured
+timeline (when each bucket became ready, how fast the link is) to order the
+partitions (see [Note: the agreed order] in `commsched.layout.partitions`). A
+fixed order cannot adapt to a link faster or slower than simulated, so
+`robust_plan` hedges it: where computation sets the pace, only what the
+simulation finishes during the backward pass keeps its place (the rest waits
+behind the urgent buckets); where the link does, what it starts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from commsched.layout.partitions import Partition
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """How long one all-reduce of ``n`` bytes takes: ``latency_s + n / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def duration_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class SimulatedSchedule:
+    order: list[int]
+    """Partition ids in issue order."""
+    finish_s: dict[int, float]
+    """When each partition's reduction completes, relative to the first ready bucket."""
+    start_s: dict[int, float]
+    """When each partition gets the link (issued, and every earlier one done)."""
+
+
+def simulate_schedule(
+    partitions: Sequence[Partition],
+    bucket_ready_s: Sequence[float],
+    link: LinkModel,
+    credit_bytes: int | None,
+    by_priority: bool,
+) -> SimulatedSchedule:
+    """Replay one backward pass: buckets become ready at ``bucket_ready_s``, the link
+    reduces one partition at a time, and whenever credit allows the most urgent
+    ready partition (or the oldest, without priority) is issued.
+
+    After the last bucket is ready nothing more can overtake, so the window no
+    longer limits what is issued (the executor does the same).
+    """
+    last_ready = max(bucket_ready_s) if len(bucket_ready_s) else 0.0
+
+    def rank(p: Partition) -> tuple:
+        return (p.priority, p.bucket, p.start) if by_priority else (p.bucket, p.start)
+
+    arrivals = sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))
+    ready: list[tuple] = []
+    order: list[int] = []
+    finish: dict[int, float] = {}
+    start_on_link: dict[int, float] = {}
+    in_flight: deque[tuple[float, int]] = deque()  # (finish time, bytes)
+    in_flight_bytes, link_free_at, now, next_arrival = 0, 0.0, 0.0, 0
+
+    while len(order) < len(partitions):
+        while next_arrival < len(arrivals) and bucket_ready_s[arrivals[next_arrival].bucket] <= now:
+            p = arrivals[next_arrival]
+            heapq.heappush(ready, (rank(p), p.pid, p))
+            next_arrival += 1
+        while in_flight and in_flight[0][0] <= now:
+            in_flight_bytes -= in_flight.popleft()[1]
+        issued = False
+        while ready:
+            p = ready[0][2]
+            window_open = (
+                credit_bytes is None or now >= last_ready or not in_flight
+                or in_flight_bytes + p.nbytes <= credit_bytes
+            )
+            if not window_open:
+                break
+            heapq.heappop(ready)
+            start = max(now, link_free_at)
+            start_on_link[p.pid] = start
+            link_free_at = start + link.duration_s(p.nbytes)
+            finish[p.pid] = link_free_at
+            in_flight.append((link_free_at, p.nbytes))
+            in_flight_bytes += p.nbytes
+            order.append(p.pid)
+            issued = True
+        if issued:
+            continue
+        upcoming = []
+        if next_arrival < len(arrivals):
+            upcoming.append(bucket_ready_s[arrivals[next_arrival].bucket])
+        if in_flight:
+            upcoming.append(in_flight[0][0])
+        now = max(now, min(upcoming))
+    return SimulatedSchedule(order, finish, start_on_link)
+
+
+def robust_plan(
+    partitions: Sequence[Partition], schedule: SimulatedSchedule, last_ready_s: float, link_sets_the_pace: bool = False
+) -> list[int]:
+    """The simulated order, hardened against a link slower than modelled.
+
+    Only partitions the simulation has done before the last bucket is ready
+    keep their simulated place; all others follow in priority order. The ones
+    kept fill the link during the backward pass; the rest are issued when the
+    backward pass ends, most urgent first. Had the simulated order been kept
+    whole, late, slow partitions planned ahead of the most urgent bucket would
+    hold up the next forward pass.
+
+    "Done" is when the simulation *finishes* a partition where computation sets
+    the pace: the link has time to spare, and what matters is that nothing
+    non-urgent is still ahead of the input-side buckets. Where the link sets the
+    pace (``link_sets_the_pace``), every second it idles is lost, so a partition
+    the simulation *starts* before the end keeps its place too: moving it
+    behind the urgent bucket would leave the link idle, with partitions ready,
+    until the backward pass ends. At most one kept partition is then planned to
+    run past the end (the link carries one at a time).
+    """
+    if link_sets_the_pace:
+        early = [pid for pid in schedule.order if schedule.start_s[pid] < last_ready_s]
+    else:
+        early = [pid for pid in schedule.order if schedule.finish_s[pid] <= last_ready_s]
+    kept = set(early)
+    late = sorted((p for p in partitions if p.pid not in kept), key=lambda p: (p.priority, p.bucket, p.start))
+    return early + [p.pid for p in late]

@@ -1,0 +1,130 @@
+"""What a prepared model gains: ``no_sync()``, a ``state_dict()`` that waits, and plain copies."""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, SupportsIndex
+
+import torch
+from torch.distributed.algorithms.join import Joinable, JoinHook
+
+from commsched.update.kinds import USER_CLASS_ATTRIBUTE
+
+if TYPE_CHECKING:
+    from commsched.engine.reducer import GradientReducer
+
+_PACKAGE = __name__.partition(".")[0]
+
+
+class CommschedModule:
+    """Mixed into the class of a prepared model (the model object itself is kept).
+
+    The model stays the user's own module: same attributes, same ``state_dict``
+    keys, no ``.module`` indirection. It is a ``Joinable`` (registered, not
+    inherited: the mixed class must keep the model's object layout): pass it to
+    torch's ``Join`` for uneven inputs (see [Note: uneven inputs] in `commsched.engine.join`).
+    """
+
+    _commsched_reducer: GradientReducer
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        reducer = self._commsched_reducer
+        return reducer.uneven_inputs.hook(reducer)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._commsched_reducer.uneven_inputs.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._commsched_reducer.uneven_inputs.process_group
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward outside reduces them all.
+
+        As torch DDP's ``no_sync``: run the forward and backward passes of the
+        micro-batches inside the context, and the last one outside it.
+        """
+        with self._commsched_reducer.no_sync():
+            yield
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._commsched_reducer.synchronize()
+        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Load as torch does; with parameter servers, the new values are sent to them too."""
+        reducer = self._commsched_reducer
+        reducer.synchronize()
+        result = super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
+        reducer.policy.push_parameters()
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.nn.Module:
+        """A plain copy (EMA, SWA, evaluation): the user's class, without commsched.
+
+        The reducer holds process groups, which cannot be copied, and a copy
+        still hooked to it would wait for the original's buckets. Pending
+        updates run first, so the copy holds the parameters ``step()`` made.
+        The original keeps training.
+        """
+        self._commsched_reducer.synchronize()
+        return _plain_copy(self, memo)  # type: ignore[arg-type]
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Whole-module pickling (``torch.save(model)``) stores a plain module of the user's class.
+
+        The mixed class cannot be found by name when loading, and the reducer
+        cannot be pickled. Parameters and buffers are pickled as they are (not
+        copied first), after pending updates.
+        """
+        self._commsched_reducer.synchronize()
+        module: torch.nn.Module = self  # type: ignore[assignment]
+        shared: dict[int, Any] = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+        reduced = _plain_copy(module, shared).__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__:
+            # pickle lets __newobj__ rebuild only the pickled object's own (mixed) class.
+            cls, *new_args = reduced[1]
+            reduced = (cls.__new__, (cls, *new_args), *reduced[2:])
+        return reduced
+
+
+def _plain_copy(model: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """Deep-copy ``model`` as its user's class, leaving out the reducer and commsched's hooks.
+
+    Parameters lose their gradient hooks as torch copies them. Hook tables of
+    every submodule are copied after the tree, through the same ``memo``, so
+    that a user's own hook bound to a module is bound to that module's copy.
+    """
+    tables: list[tuple[dict, dict, set[int]]] = []
+    for module in model.modules():
+        hook_tables = [t for name, t in vars(module).items() if name.startswith("_") and "_hooks" in name
+                       and isinstance(t, dict)]
+        # One id per registration, also in the with_kwargs / always_called tables beside it.
+        ours = {key for table in hook_tables for key, hook in table.items() if _is_commsched_hook(hook)}
+        for table in hook_tables:
+            stand_in = type(table)()
+            memo[id(table)] = stand_in
+            tables.append((table, stand_in, ours))
+    user_class = getattr(type(model), USER_CLASS_ATTRIBUTE)
+    plain = user_class.__new__(user_class)
+    memo[id(model)] = plain
+    state = {name: value for name, value in model.__getstate__().items() if name != "_commsched_reducer"}
+    plain.__setstate__(copy.deepcopy(state, memo))
+    for table, stand_in, ours in tables:
+        stand_in.update(copy.deepcopy([(key, hook) for key, hook in table.items() if key not in ours], memo))
+    return plain
+
+
+def _is_commsched_hook(hook: object) -> bool:
+    """Hooks commsched registers (reducer, gates, first forward, trace) are defined in its package."""
+    defined_in = getattr(hook, "__module__", None) or ""
+    return defined_in == _PACKAGE or defined_in.startswith(_PACKAGE + ".")
+
+
+Joinable.register(CommschedModule)

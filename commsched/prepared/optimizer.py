@@ -1,0 +1,122 @@
+"""What a prepared optimizer gains: steps on averaged gradients, ``synchronize()``, and plain copies."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import TYPE_CHECKING, Any, SupportsIndex
+
+import torch
+
+from commsched.engine.lifecycle import Lifecycle
+from commsched.prepared.foreign_optimizers import user_synchronized
+from commsched.update.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
+from commsched.update.kinds import user_class
+
+if TYPE_CHECKING:
+    from commsched.engine.reducer import GradientReducer
+
+
+class CommschedOptimizer:
+    """Mixed into the class of a prepared optimizer (the optimizer object itself is kept).
+
+    ``isinstance(opt, torch.optim.SGD)`` still holds, ``param_groups``, state and
+    checkpoints keep torch.optim's format, and LR schedulers work unchanged.
+    """
+
+    _commsched_reducer: GradientReducer
+
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` hands ``step()`` the scale and its inf/NaN verdict instead of
+    unscaling gradients in place; see [Note: GradScaler] in commsched/update/grad_scaling.py."""
+
+    def synchronize(self) -> None:
+        """Block until every pending gradient reduction (and update) is done."""
+        self._commsched_reducer.synchronize()
+        user_synchronized(self._commsched_reducer)
+
+    def step(self, closure: Any = None) -> Any:
+        """Release this iteration's update.
+
+        Without forward overlap the update runs now; with it, ``step()`` returns at
+        once and each bucket is updated when its reduction completes.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        optimizer_step = super(CommschedOptimizer, self).step  # type: ignore[misc]
+        scaling = GradScaling.given_to(self)  # type: ignore[arg-type]
+        if scaling is not None:
+            optimizer_step = functools.partial(step_as_grad_scaler_would, self, optimizer_step, scaling)
+        try:
+            self._commsched_reducer.step(optimizer_step, scaling)
+        except BaseException:
+            if scaling is not None:
+                forget_given(self)  # type: ignore[arg-type]
+            raise
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._commsched_reducer.before_zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused until ``commsched.release``: param groups are read once, when the buckets
+        and their per-bucket updates are built, so a later group would never be updated."""
+        if self._commsched_reducer.lifecycle is not Lifecycle.RELEASED:
+            raise RuntimeError(
+                "add_param_group() was called on an optimizer already passed to commsched.prepare(); "
+                "its param groups are fixed there, so the new group would never be updated. Add every "
+                "param group before prepare(): a group that should train only later can start with "
+                "lr=0 and get its learning rate then (hyper-parameters are read at every step(); "
+                "momentum and Adam's moments still see its gradients from the start). Its parameters "
+                "must have requires_grad=True at prepare(): parameters frozen there cannot be unfrozen."
+            )
+        super().add_param_group(param_group)  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict; with parameter servers, their state is fetched first."""
+        self._commsched_fetch_state()
+        return super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch.optim does; with parameter servers, the state is sent to them too."""
+        self.synchronize()
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._commsched_reducer.policy.push_optimizer_state()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
+        """A plain copy: the user's optimizer class, with its state and param groups, without commsched.
+
+        The reducer holds process groups, which cannot be copied. Pending updates
+        run first (and, with parameter servers, their state is fetched, as for
+        ``state_dict()``), so the copy holds the state ``step()`` made. As torch
+        does, parameters are copied through ``memo``: deep-copied together with
+        the model (``copy.deepcopy({"model": model, "opt": opt})``), the copy
+        steps the copied model's parameters. The original keeps training.
+        """
+        self._commsched_fetch_state()
+        cls = user_class(self)  # type: ignore[arg-type]
+        plain = cls.__new__(cls)
+        memo[id(self)] = plain
+        plain.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return plain
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Whole-optimizer pickling (``torch.save(opt)``) stores a plain optimizer of the user's class.
+
+        The mixed class cannot be found by name when loading, and the reducer
+        cannot be pickled. State and parameters are pickled as they are, after
+        pending updates; a model pickled in the same file shares its parameters.
+        """
+        self._commsched_fetch_state()
+        cls = user_class(self)  # type: ignore[arg-type]
+        # Not copyreg.__newobj__: pickle lets it rebuild only the pickled object's own (mixed) class.
+        return (cls.__new__, (cls,), self.__getstate__())
+
+    def _commsched_fetch_state(self) -> None:
+        """Pending updates done, and (with parameter servers) their state fetched into ``self.state``."""
+        reducer = self._commsched_reducer
+        reducer.synchronize()
+        reducer.policy.fetch_optimizer_state()

@@ -1,0 +1,4 @@
+"""A model's and a link's measured costs: the `Profile` data (`profile`) and how to measure one (`measure`).
+
+What ``commsched plan``, the simulator and the auto-tuner's first guesses replay.
+"""
