@@ -33,7 +33,7 @@ from pathlib import Path
 from commsched.bench.grid import BATCH, run_cell
 from commsched.bench.results import Cell
 from commsched.bench.systems import Commsched, ComputeOnly, TorchDDP
-from commsched.profiling.measure import scaled_compute
+from commsched.profiling.model import scaled_compute
 from commsched.profiling.profile import Profile
 from commsched.simulator import Cluster, DDPConfig, simulate
 from commsched.strategy import Strategy

@@ -4,7 +4,7 @@ The simulator is only as good as the compute times it is given. On the emulated
 cluster the hosts share the machine's cores, so a profile taken by one process
 alone would be faster than any host is during training; taken on every host at
 once, it sees the same sharing the systems see. The link is measured on the
-same hosts right after (`commsched.profiling.measure.measure_link`), with one training
+same hosts right after (`commsched.profiling.link.measure_link`), with one training
 iteration as the computation it slows down.
 """
 
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from commsched.bench.compare import ComparisonConfig, worker_group
 from commsched.bench.models import WORKLOADS
-from commsched.profiling.measure import measure_link, profile_model
+from commsched.profiling.link import measure_link
+from commsched.profiling.model import profile_model
 
 
 def profile_on_rank(rank: int, world_size: int, config: ComparisonConfig, iterations: int = 9) -> dict | None:

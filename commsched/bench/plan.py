@@ -1,7 +1,7 @@
 """``commsched plan``: what torch DDP, commsched's defaults and the best `Strategy` would take on
 clusters you do not have, from one profile of your model.
 
-The model is profiled here, in one process (`commsched.profiling.measure.profile_model`),
+The model is profiled here, in one process (`commsched.profiling.model.profile_model`),
 or a profile saved earlier (``--save-profile`` on the machine that trains) is
 loaded with ``--profile``. Then, for every number of workers and link rate
 asked for, the simulator (`commsched.simulator`) replays one steady-state
@@ -26,12 +26,12 @@ fixed labels when the output is 2-D (a batch of logits), else the mean square
 of the output; a model with several outputs sums that loss over them.
 
 ``--compute-scale X`` multiplies every compute time of the profile by X
-(`commsched.profiling.measure.scaled_compute`; ``--save-profile`` writes it unscaled):
+(`commsched.profiling.model.scaled_compute`; ``--save-profile`` writes it unscaled):
 a profile taken on a CPU, scaled by 0.02, stands for a device 50 times faster.
 
 The cluster: ``--latency-us`` per hop, the ``--algorithm`` of the
 all-reduce, and no fixed host cost per collective, unless the profile carries
-a measured link (`commsched.profiling.measure.profile_on_group`): then its fixed cost
+a measured link (`commsched.profiling.link.profile_on_group`): then its fixed cost
 beyond the hop latency is the per-collective host cost and its measured
 ``compute_slowdown`` slows computation beside communication, at every link rate
 asked for.
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from commsched.profiling.measure import profile_model, scaled_compute
+from commsched.profiling.model import profile_model, scaled_compute
 from commsched.profiling.profile import Profile
 from commsched.simulator import Cluster, DDPConfig, best_strategy, bound_s, simulate
 from commsched.simulator.adoption import as_run

@@ -1,6 +1,6 @@
 """A model's and a link's measured costs: what the simulator and the auto-tuner start from.
 
-Pure data, no torch: a `Profile` is measured once (`commsched.profiling.measure`, or
+Pure data, no torch: a `Profile` is measured once (`commsched.profiling.model`, or
 from a prepared model's warm-up) and saved as JSON, so a profile taken on one
 machine (a GPU host) can be replayed on another (a laptop) by `commsched plan`.
 

@@ -40,7 +40,7 @@ issued while the worker computes (not while it waits for the link) takes
 ``1 + collective_slowdown`` times as long on the wire, the other side of the
 same sharing, which matters where the transport itself needs the host's cores
 (gloo over TCP; hardly NCCL). Both are measured by
-`commsched.profiling.measure.measure_link`. A collective is stretched whole, as issued:
+`commsched.profiling.link.measure_link`. A collective is stretched whole, as issued:
 a simplification that overstates it where computation ends while it is on the
 wire.
 

@@ -1,4 +1,4 @@
-"""Measuring a link (`commsched.profiling.measure.measure_link`) on two real gloo ranks over loopback."""
+"""Measuring a link (`commsched.profiling.link.measure_link`) on two real gloo ranks over loopback."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from commsched.profiling.measure import measure_link, profile_on_group
+from commsched.profiling.link import measure_link, profile_on_group
 from commsched.testing import run_ranks, run_subtests
 
 pytestmark = pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""Measuring a model's profile in one process (`commsched.profiling.measure`): what it records, not how fast."""
+"""Measuring a model's profile in one process (`commsched.profiling.model`): what it records, not how fast."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commsched.profiling.measure import measure_link, profile_model, scaled_compute
+from commsched.profiling.link import measure_link
+from commsched.profiling.model import profile_model, scaled_compute
 from commsched.profiling.profile import PROFILE_VERSION, Profile, fit_link
 
 LAYERS = ("0", "2", "4")

@@ -1,11 +1,10 @@
-"""Measure a `Profile`: a model's per-parameter timeline in one process, and a link's all-reduce costs.
+"""Measure a model's per-parameter timeline in one process: `profile_model`.
 
 `profile_model` trains a model for a few iterations in this process (no
 process group) and records, per trainable parameter, when the forward pass
-first reads it and when its gradient is ready; `measure_link` times
-all-reduces over a process group; `profile_on_group` does both. The result is
-what `commsched plan` and the simulator replay. `scaled_compute` asks "what if
-this device were X times faster".
+first reads it and when its gradient is ready, and per module its forward and
+backward times: the `Profile` that ``commsched plan`` and the simulator
+replay. `scaled_compute` asks "what if this device were X times faster".
 
 [Note: when a parameter is first read] Per iteration, every module's forward
 pre-hook and forward hook is an *event* with a time. One untimed forward pass
@@ -47,26 +46,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 from torch.utils._pytree import tree_leaves
 
-from commsched.errors import wait_or_raise
-from commsched.profiling.profile import LinkProfile, LinkSample, ModuleProfile, ParameterProfile, Profile, fit_link
+from commsched.profiling.profile import ModuleProfile, ParameterProfile, Profile
 from commsched.watch.parameter_use import ParameterUseMode
-
-DEFAULT_LINK_SIZES = (2**16, 2**20, 2**23)
-"""All-reduce sizes `measure_link` times, in bytes: 64 KiB, 1 MiB, 8 MiB."""
-
-MAX_BESIDE_COLLECTIVES = 64
-"""Most all-reduces `measure_link` runs back to back beside one ``compute()`` call."""
 
 _NO_SEQUENCE = 2**63
 """Autograd nodes at or above this sequence number (AccumulateGrad) belong to no module call."""
 
 
-# --------------------------------------------------------------------- the model
 def profile_model(
     model: nn.Module,
     make_batch: Callable[[], tuple],
@@ -96,22 +86,22 @@ def profile_model(
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    first = _as_batch(make_batch())
+    first = as_batch(make_batch())
     if any(isinstance(p, UninitializedParameter) for p in model.parameters()):
         with torch.no_grad():  # lazy modules take their shapes from a first call
-            _call(model, first[0])
+            call_model(model, first[0])
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{name} has no trainable parameters (every parameter has requires_grad=False)")
     device = named[0][1].device
     if optimizer is None:
         optimizer = torch.optim.SGD([p for _, p in named], lr=0.01, momentum=0.9)
-    recorder = _Recorder(model, [p for _, p in named], _clock(device))
+    recorder = _Recorder(model, [p for _, p in named], clock(device))
     try:
-        recorder.discover(lambda: loss_fn(_call(model, first[0]), *first[1:]))
+        recorder.discover(lambda: loss_fn(call_model(model, first[0]), *first[1:]))
         measured: list[_Iteration] = []
         for index in range(warmup + iterations):
-            batch = first if index == 0 else _as_batch(make_batch())
+            batch = first if index == 0 else as_batch(make_batch())
             sample = recorder.iteration(model, batch, loss_fn, optimizer)
             if index >= warmup:
                 measured.append(sample)
@@ -258,7 +248,7 @@ class _Recorder:
         optimizer.zero_grad(set_to_none=True)
         start = self._begin_forward()
         try:
-            loss = loss_fn(_call(model, batch[0]), *batch[1:])
+            loss = loss_fn(call_model(model, batch[0]), *batch[1:])
         finally:
             self._in_forward = False
         self._backward_start = self._now()
@@ -323,13 +313,13 @@ def _nodes_created_since(output: object, sequence_nr: int) -> list[torch.autogra
     return list(found.values())
 
 
-def _as_batch(batch: object) -> tuple:
+def as_batch(batch: object) -> tuple:
     if isinstance(batch, (tuple, list)) and batch:
         return tuple(batch)
     return (batch,)
 
 
-def _call(model: nn.Module, inputs: object) -> object:
+def call_model(model: nn.Module, inputs: object) -> object:
     if isinstance(inputs, tuple):
         return model(*inputs)
     if isinstance(inputs, dict):
@@ -344,7 +334,7 @@ def _batch_size(inputs: object) -> int:
     return 1
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
+def clock(device: torch.device) -> Callable[[], float]:
     """``time.perf_counter`` after the device's queued work is done; see [Note: timing on an accelerator]."""
     backend = getattr(torch, device.type, None) if device.type != "cpu" else None
     synchronize = getattr(backend, "synchronize", None)
@@ -364,171 +354,6 @@ def _clock(device: torch.device) -> Callable[[], float]:
     return now
 
 
-# ----------------------------------------------------------------------- the link
-def measure_link(
-    group: dist.ProcessGroup | None,
-    device: torch.device | str,
-    sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES,
-    repeats: int = 5,
-    compute: Callable[[], None] | None = None,
-    timeout_s: float = 300.0,
-) -> LinkProfile:
-    """Time all-reduces of ``sizes_bytes`` (float32) among ``group``'s ranks, with tensors on ``device``.
-
-    Collective: every rank of ``group`` calls it with the same sizes and
-    repeats, and with or without ``compute``. Per size, the median of
-    ``repeats`` all-reduces (after one untimed; the sizes take turns); the fit ``latency_s + n /
-    bytes_per_s`` is a least-squares line through them, its latency never
-    below a one-element all-reduce (and, if the times do not grow with the
-    size, the bandwidth of the largest alone). With ``compute`` (a
-    function that computes, e.g. one forward and backward pass),
-    ``compute_slowdown`` is the median time of ``compute()`` while all-reduces
-    of the largest size run beside it (enough back to back to cover it, at
-    most `MAX_BESIDE_COLLECTIVES`) over its median time alone, minus one,
-    at least 0; ``collective_slowdown`` is how much the computation slows those
-    all-reduces ([Note: slowdown of the all-reduces]). Every rank gets the same result: each figure is the largest any
-    rank measured. A rank that does not join raises `CommunicationTimeout`
-    after ``timeout_s``.
-    """
-    device = torch.device(device)
-    sizes = sorted({max(4, int(size)) // 4 * 4 for size in sizes_bytes})
-    if len(sizes) < 2:
-        raise ValueError(f"measure_link needs at least two different sizes to fit a line, got {list(sizes_bytes)}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    now = _clock(device)
-    world_size = dist.get_world_size(group)
-    what = "an all-reduce of the link measurement (commsched.profiling.measure.measure_link)"
-
-    def timed(buffer: torch.Tensor) -> float:
-        start = now()
-        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
-        return now() - start
-
-    buffers = [torch.zeros(1, dtype=torch.float32, device=device)]
-    buffers += [torch.zeros(size // 4, dtype=torch.float32, device=device) for size in sizes]
-    for buffer in buffers:
-        timed(buffer)  # the first of a size may set up connections or buffers
-    # Sizes take turns, so a slow spell of the host slows every size alike.
-    times = [[timed(buffer) for buffer in buffers] for _ in range(repeats)]
-    floor_s, *medians = (statistics.median(column) for column in zip(*times))
-    figures = _largest_over_ranks([floor_s, *medians], group, device, timeout_s)
-    floor_s, medians = figures[0], figures[1:]
-    slowdown = collective_slowdown = 0.0
-    if compute is not None:
-        slowdown, collective_slowdown = _slowdowns(compute, buffers[-1], medians[-1], group, device, repeats,
-                                                   timeout_s, now)
-    latency_s, bytes_per_s = fit_link(sizes, medians, floor_s)
-    return LinkProfile(
-        world_size=world_size,
-        samples=tuple(LinkSample(nbytes=n, seconds=s) for n, s in zip(sizes, medians)),
-        latency_s=latency_s,
-        bytes_per_s=bytes_per_s,
-        compute_slowdown=slowdown,
-        collective_slowdown=collective_slowdown,
-    )
-
-
-def _largest_over_ranks(
-    values: Sequence[float], group: dist.ProcessGroup | None, device: torch.device, timeout_s: float
-) -> list[float]:
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    wait_or_raise(work, timeout_s, "the agreement on the link measurement (commsched.profiling.measure.measure_link)")
-    return tensor.tolist()
-
-
-def _slowdowns(
-    compute: Callable[[], None],
-    buffer: torch.Tensor,
-    collective_s: float,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    repeats: int,
-    timeout_s: float,
-    now: Callable[[], float],
-) -> tuple[float, float]:
-    """``(compute_slowdown, collective_slowdown)``; see `measure_link`. Collective; every rank runs
-    the same number of all-reduces.
-
-    [Note: slowdown of the all-reduces] The all-reduces issued beside
-    ``compute()`` run at a rate ``1 / (1 + y)`` while it runs and at full rate
-    after. With ``W`` their work alone (count x ``collective_s``), ``T`` the
-    computation's time beside them and ``total`` the time until the last one
-    completes: if they finish within ``T``, ``total = W (1 + y)``; otherwise
-    ``total = W + T y / (1 + y)``. Either gives ``y``.
-    """
-    what = "an all-reduce beside computation (commsched.profiling.measure.measure_link)"
-
-    def run_compute() -> float:
-        start = now()
-        compute()
-        return now() - start
-
-    run_compute()  # warm
-    alone_s = statistics.median(run_compute() for _ in range(repeats))
-    alone_s = _largest_over_ranks([alone_s], group, device, timeout_s)[0]
-    count = max(1, min(MAX_BESIDE_COLLECTIVES, math.ceil(alone_s / max(collective_s, 1e-9))))
-    work_s = count * collective_s
-    alone, beside, stretched = [], [], []
-    for _ in range(repeats):
-        alone.append(run_compute())
-        issued = now()
-        works = [dist.all_reduce(buffer, group=group, async_op=True) for _ in range(count)]
-        beside.append(run_compute())
-        for work in works:
-            wait_or_raise(work, timeout_s, what)
-        total_s = now() - issued
-        if total_s <= beside[-1]:
-            stretched.append(total_s / max(work_s, 1e-12) - 1.0)
-        else:
-            share = min(0.95, max(0.0, (total_s - work_s) / max(beside[-1], 1e-12)))
-            stretched.append(share / (1.0 - share))
-    ratio = statistics.median(beside) / max(statistics.median(alone), 1e-12) - 1.0
-    compute_slowdown, collective_slowdown = _largest_over_ranks(
-        [ratio, statistics.median(stretched)], group, device, timeout_s)
-    return max(0.0, compute_slowdown), max(0.0, collective_slowdown)
-
-
-# ------------------------------------------------------------------------- both
-def profile_on_group(
-    model: nn.Module,
-    make_batch: Callable[[], tuple],
-    loss_fn: Callable[..., torch.Tensor],
-    optimizer: torch.optim.Optimizer | None = None,
-    iterations: int = 5,
-    warmup: int = 2,
-    name: str = "model",
-    *,
-    group: dist.ProcessGroup | None = None,
-    batch_size: int | None = None,
-    sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES,
-    repeats: int = 5,
-    timeout_s: float = 300.0,
-) -> Profile:
-    """`profile_model`, with the link of ``group`` (default: the world) attached when it has several ranks.
-
-    Collective when a process group is initialised with more than one rank:
-    every rank profiles its own model, then `measure_link` runs on ``group``
-    with tensors on the model's device and one forward and backward pass of
-    the model as the computation beside the all-reduces. Each rank returns its
-    own timeline with the same link.
-    """
-    profile = profile_model(model, make_batch, loss_fn, optimizer, iterations, warmup, name, batch_size=batch_size)
-    if not dist.is_initialized() or dist.get_world_size(group) < 2:
-        return profile
-    device = next(p.device for p in model.parameters() if p.requires_grad)
-
-    def compute() -> None:
-        batch = _as_batch(make_batch())
-        loss_fn(_call(model, batch[0]), *batch[1:]).backward()
-        model.zero_grad(set_to_none=True)
-
-    link = measure_link(group, device, sizes_bytes, repeats, compute, timeout_s)
-    return profile.with_link(link)
-
-
-# ---------------------------------------------------------------------- scaling
 def scaled_compute(profile: Profile, factor: float) -> Profile:
     """``profile`` with every compute time multiplied by ``factor`` (the link unchanged).
 
@@ -553,4 +378,3 @@ def scaled_compute(profile: Profile, factor: float) -> Profile:
             for m in profile.modules
         ),
     )
-
