@@ -34,8 +34,9 @@ from commsched.prepared.foreign_optimizers import watch_foreign_optimizers
 from commsched.prepared.module import CommschedModule
 from commsched.prepared.optimizer import CommschedOptimizer
 from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
+from commsched.ps.report import ServerReport
 from commsched.ps.roles import is_server_rank
-from commsched.ps.server import ParameterServer, ServerReport
+from commsched.ps.server import ParameterServer
 from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
 from commsched.update.kinds import USER_CLASS_ATTRIBUTE

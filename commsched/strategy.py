@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import math
-import os
 import warnings
 from dataclasses import dataclass, fields
+
+from commsched.validation import (
+    Range,
+    check_bool,
+    check_choice,
+    check_directory,
+    check_in_range,
+    check_int,
+    check_servers,
+    check_staleness,
+)
 
 MIB = 1024 * 1024
 
@@ -74,10 +83,10 @@ class ParameterServer:
     blocks as large as the partitions. From 256 bytes to 1 TiB."""
 
     def __post_init__(self) -> None:
-        _check_servers("ParameterServer.num_servers", self.num_servers)
-        _check_in_range("block_mb", self.block_mb, _PARTITION_MB, optional=True, owner="ParameterServer")
-        _check_choice("ParameterServer.mode", self.mode, ("sync", "async"))
-        _check_staleness("ParameterServer.max_staleness", self.max_staleness)
+        check_servers("ParameterServer.num_servers", self.num_servers)
+        check_in_range("block_mb", self.block_mb, _PARTITION_MB, optional=True, owner="ParameterServer")
+        check_choice("ParameterServer.mode", self.mode, ("sync", "async"))
+        check_staleness("ParameterServer.max_staleness", self.max_staleness)
         if self.max_staleness is not None and self.mode != "async":
             raise ValueError(
                 f"ParameterServer.max_staleness applies to mode='async' only, got mode={self.mode!r}; "
@@ -207,17 +216,17 @@ class Strategy:
     """Seed of the optimiser on rank 0: the same measurements give the same settings. 0 to 2**32 - 1."""
 
     def __post_init__(self) -> None:
-        _check_in_range("bucket_cap_mb", self.bucket_cap_mb, _BUCKET_MB)
-        _check_in_range("first_bucket_mb", self.first_bucket_mb, _BUCKET_MB)
-        _check_in_range("timeout_s", self.timeout_s, _TIMEOUT_S)
-        _check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
-        _check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
-        _check_directory("trace_dir", self.trace_dir)
+        check_in_range("bucket_cap_mb", self.bucket_cap_mb, _BUCKET_MB)
+        check_in_range("first_bucket_mb", self.first_bucket_mb, _BUCKET_MB)
+        check_in_range("timeout_s", self.timeout_s, _TIMEOUT_S)
+        check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
+        check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
+        check_directory("trace_dir", self.trace_dir)
         for name in ("broadcast_buffers", "priority", "adaptive", "overlap_forward", "fuse_optimizer", "autotune"):
-            _check_bool(name, getattr(self, name))
-        _check_int("autotune_iterations", self.autotune_iterations, 4, MAX_AUTOTUNE_ITERATIONS)
-        _check_int("autotune_trial_iterations", self.autotune_trial_iterations, 1, 100)
-        _check_int("autotune_seed", self.autotune_seed, 0, 2**32 - 1)
+            check_bool(name, getattr(self, name))
+        check_int("autotune_iterations", self.autotune_iterations, 4, MAX_AUTOTUNE_ITERATIONS)
+        check_int("autotune_trial_iterations", self.autotune_trial_iterations, 1, 100)
+        check_int("autotune_seed", self.autotune_seed, 0, 2**32 - 1)
         self._normalize_backend()
         if self.autotune:
             self._check_autotune()
@@ -353,11 +362,11 @@ def _backend_from_flat_fields(
     backend: str, num_servers: int | None, ps_mode: str | None, ps_max_staleness: int | None
 ) -> AllReduce | ParameterServer:
     """The deprecated ``backend="allreduce"|"ps"`` spelling, validated under the names the caller used."""
-    _check_choice("Strategy.backend", backend, ("allreduce", "ps"))
+    check_choice("Strategy.backend", backend, ("allreduce", "ps"))
     if ps_mode is not None:
-        _check_choice("Strategy.ps_mode", ps_mode, ("sync", "async"))
+        check_choice("Strategy.ps_mode", ps_mode, ("sync", "async"))
     if num_servers is not None:
-        _check_servers("Strategy.num_servers", num_servers)
+        check_servers("Strategy.num_servers", num_servers)
     if backend != "ps" and (num_servers not in (None, 1) or ps_mode not in (None, "sync")):
         raise ValueError(
             f"Strategy.num_servers and Strategy.ps_mode apply to backend='ps' only, got "
@@ -365,7 +374,7 @@ def _backend_from_flat_fields(
             "backend='ps' or leave them at their defaults"
         )
     if ps_max_staleness is not None:
-        _check_staleness("Strategy.ps_max_staleness", ps_max_staleness)
+        check_staleness("Strategy.ps_max_staleness", ps_max_staleness)
         if backend != "ps" or ps_mode != "async":
             raise ValueError(
                 f"Strategy.ps_max_staleness applies to backend='ps' with ps_mode='async' only, got "
@@ -377,69 +386,9 @@ def _backend_from_flat_fields(
                            mode=ps_mode or "sync", max_staleness=ps_max_staleness)
 
 
-def _check_servers(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _check_staleness(name: str, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class _Range:
-    low: float
-    high: float
-    text: str
-    """The range as a reader wants it, with the unit."""
-
-
-_BUCKET_MB = _Range(MIN_BUCKET_MB, MAX_SIZE_MB, f"{MIN_BUCKET_MB!r} to {MAX_SIZE_MB} MiB (1 byte to 1 TiB)")
-_PARTITION_MB = _Range(MIN_PARTITION_MB, MAX_SIZE_MB, f"{MIN_PARTITION_MB!r} to {MAX_SIZE_MB} MiB (256 bytes to 1 TiB)")
-_TIMEOUT_S = _Range(MIN_TIMEOUT_S, MAX_TIMEOUT_S, f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (1 s to 7 days)")
-
-
-def _check_in_range(
-    name: str, value: object, allowed: _Range, optional: bool = False, owner: str = "Strategy"
-) -> None:
-    if optional and value is None:
-        return
-    none = "None or " if optional else ""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        kind = "a number or None" if optional else "a number"
-        raise ValueError(
-            f"{owner}.{name} must be {kind}, got {value!r} ({type(value).__name__}); allowed: {none}{allowed.text}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{owner}.{name} must be {none}finite and greater than 0, got {value!r}; allowed: {none}{allowed.text}"
-        )
-    if not allowed.low <= value <= allowed.high:
-        raise ValueError(f"{owner}.{name} must be {none}from {allowed.text}, got {value!r}")
-
-
-def _check_directory(name: str, value: object) -> None:
-    """None, or a path that names a directory: a non-empty ``str`` or ``os.PathLike`` of one."""
-    if value is None:
-        return
-    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
-    if not isinstance(path, str) or not path.strip() or "\0" in path:
-        why = "; an empty path would write into the working directory" if path == "" else ""
-        raise ValueError(
-            f"Strategy.{name} must be None or a directory path (a str or os.PathLike, not blank, without NUL), "
-            f"got {value!r} ({type(value).__name__}){why}"
-        )
-
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"Strategy.{name} must be an integer from {low} to {high}, got {value!r}")
+_BUCKET_MB = Range(MIN_BUCKET_MB, MAX_SIZE_MB, f"{MIN_BUCKET_MB!r} to {MAX_SIZE_MB} MiB (1 byte to 1 TiB)")
+_PARTITION_MB = Range(MIN_PARTITION_MB, MAX_SIZE_MB, f"{MIN_PARTITION_MB!r} to {MAX_SIZE_MB} MiB (256 bytes to 1 TiB)")
+_TIMEOUT_S = Range(MIN_TIMEOUT_S, MAX_TIMEOUT_S, f"{MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} seconds (1 s to 7 days)")
 
 
 def require_optuna():  # noqa: ANN201 - the module, imported only when tuning
@@ -454,8 +403,3 @@ def require_optuna():  # noqa: ANN201 - the module, imported only when tuning
     return optuna
 
 
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"Strategy.{name} must be True or False, got {value!r} ({type(value).__name__})"
-        )

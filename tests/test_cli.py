@@ -166,7 +166,7 @@ def test_plan_refuses_in_one_line_with_exit_code_2(tmp_path, case):
 
 
 def test_the_recommended_strategy_names_only_what_differs():
-    from commsched.bench.plan import strategy_code
+    from commsched.bench.plan_output import strategy_code
     from commsched.strategy import ParameterServer, Strategy
 
     assert strategy_code(Strategy()) == "Strategy()"

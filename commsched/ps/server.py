@@ -33,9 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import statistics
 import threading
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,65 +41,27 @@ import torch.distributed as dist
 from commsched.errors import wait_work
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import fifo_plan
+from commsched.ps.checkpoints import CheckpointExchange
 from commsched.ps.config import JobConfig
 from commsched.ps.protocol import (
-    ACK_TAG,
     HEADER_TAG,
     LAYOUT_TAG,
-    PARAMS_TAG,
     PLAN_TAG,
-    STATE_TAG,
     Command,
     header_length,
     pull_tag,
     push_tag,
-    state_message_length,
     trailer_length,
 )
+from commsched.ps.report import ParameterServerError, ServerReport
 from commsched.ps.roles import FailureBoard, PSRoles
 from commsched.ps.sharding import ShardingPlan, plan_model_sharding
-from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.update.fused import BucketUpdater
 from commsched.update.kinds import decode_hyperparameters, encoded_length, optimizer_kind, user_class
 
 logger = logging.getLogger("commsched")
 
 THREAD_JOIN_S = 10.0
-
-
-class ParameterServerError(RuntimeError):
-    """A worker was lost or the workers disagree; the server stops."""
-
-
-@dataclass
-class ServerReport:
-    """What one server did, returned by `ParameterServer.serve` and logged."""
-
-    rank: int
-    blocks: int
-    bytes: int
-    updates: int = 0
-    iterations: int = 0
-    staleness: list[int] = field(default_factory=list)
-    max_lead: int = 0
-    """Async: the most iterations a worker was ahead of the slowest one still
-    training when it was sent new values."""
-
-    @property
-    def staleness_mean(self) -> float:
-        return statistics.fmean(self.staleness) if self.staleness else 0.0
-
-    @property
-    def staleness_max(self) -> int:
-        return max(self.staleness, default=0)
-
-    def describe(self) -> str:
-        text = (f"parameter server rank {self.rank}: {self.blocks} blocks ({self.bytes / 1e6:.2f} MB), "
-                f"{self.iterations} iterations, {self.updates} block updates")
-        if self.staleness:
-            text += (f", staleness mean {self.staleness_mean:.2f} max {self.staleness_max} updates, "
-                     f"workers at most {self.max_lead} iterations apart")
-        return text
 
 
 class ParameterServer:
@@ -159,6 +119,10 @@ class ParameterServer:
             for pid in self.mine
         }
         self._server_optimizer = self._make_server_optimizer()
+        self._checkpoints = CheckpointExchange(
+            self.kind, {pid: self.plan.segments[pid] for pid in self.mine}, self.values, self._segment_views,
+            self._server_optimizer, self._lock, self.group, self._timeout,
+        )
         self.updater = BucketUpdater(
             self._server_optimizer,
             [self._segment_views[pid] for pid in self.mine],
@@ -226,7 +190,7 @@ class ParameterServer:
             for work, _, _ in sends:
                 self._wait(work, self._timeout, quiet=True)
         logger.info("commsched: %s", report.describe())
-        self.group = None  # type: ignore[assignment]  # see [Note: process groups at exit]
+        self.group = self._checkpoints = None  # type: ignore[assignment]  # see [Note: process groups at exit]
         return report
 
     def _receive_from(self, w: int) -> None:
@@ -259,11 +223,11 @@ class ParameterServer:
                     self._events.put(("finish", w))
                     return
                 elif command is Command.GET_STATE:
-                    self._send_state(worker)
+                    self._checkpoints.send_state(worker)
                 elif command is Command.SET_STATE:
-                    self._receive_state(worker)
+                    self._checkpoints.receive_state(worker)
                 elif command is Command.SET_PARAMETERS:
-                    self._receive_parameters(worker)
+                    self._checkpoints.receive_parameters(worker)
         except BaseException as error:  # noqa: BLE001 - reported to the main thread
             self._events.put(("gone" if between_iterations else "lost", w, error))
 
@@ -425,49 +389,6 @@ class ParameterServer:
         for work, _, _ in self._pull_sends[pid]:
             self._wait(work, self._timeout)
         self._pull_sends[pid] = []
-
-    # ---------------------------------------------------- state and parameters
-    def _send_state(self, worker: int) -> None:
-        with self._lock:
-            messages = []
-            for pid in self.mine:
-                states = [self._server_optimizer.state.get(view) for view in self._segment_views[pid]]
-                messages.append(pack_block_state(self.kind, self.plan.segments[pid], states,
-                                                 self.values[pid].numel(), self.values[pid].dtype))
-        for message in messages:
-            self._wait(dist.isend(message, dst=worker, tag=STATE_TAG, group=self.group), self._timeout)
-
-    def _receive_state(self, worker: int) -> None:
-        received = {}
-        for pid in self.mine:
-            message = torch.empty(state_message_length(self.kind, self.values[pid].numel(),
-                                                       len(self.plan.segments[pid])), dtype=self.values[pid].dtype)
-            self._wait(dist.irecv(message, src=worker, tag=STATE_TAG, group=self.group), self._timeout)
-            received[pid] = message
-        with self._lock:
-            for pid, message in received.items():
-                states = unpack_block_state(self.kind, self.plan.segments[pid], message, self.values[pid].numel())
-                for view, state in zip(self._segment_views[pid], states, strict=True):
-                    if state:
-                        self._server_optimizer.state[view] = state
-                    else:
-                        self._server_optimizer.state.pop(view, None)
-        self._acknowledge(worker)
-
-    def _receive_parameters(self, worker: int) -> None:
-        received = {}
-        for pid in self.mine:
-            message = torch.empty_like(self.values[pid])
-            self._wait(dist.irecv(message, src=worker, tag=PARAMS_TAG, group=self.group), self._timeout)
-            received[pid] = message
-        with self._lock:
-            for pid, message in received.items():
-                self.values[pid].copy_(message)
-        self._acknowledge(worker)
-
-    def _acknowledge(self, worker: int) -> None:
-        self._wait(dist.isend(torch.ones(1, dtype=torch.int64), dst=worker, tag=ACK_TAG, group=self.group),
-                   self._timeout)
 
     @staticmethod
     def _wait(work: dist.Work, timeout_s: float | None, quiet: bool = False) -> None:

@@ -70,8 +70,9 @@ wire.
 from __future__ import annotations
 
 from commsched.simulator.cluster import Cluster
-from commsched.simulator.engine import DDPConfig, SimResult, bound_s, meta_parameters, simulate
+from commsched.simulator.engine import bound_s, simulate
 from commsched.simulator.search import best_strategy, strategy_space
+from commsched.simulator.spec import DDPConfig, SimResult, meta_parameters
 
 __all__ = [
     "Cluster", "DDPConfig", "SimResult", "best_strategy", "bound_s", "meta_parameters", "simulate", "strategy_space",

@@ -9,129 +9,17 @@ program against the link(s), event by event.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from dataclasses import dataclass
-
-import torch
 
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.placement import place_blocks, server_block_bytes
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
-from commsched.strategy import MIB, Strategy
-
-_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64, 16: torch.complex128}
-
-
-@dataclass(frozen=True)
-class DDPConfig:
-    """torch DDP: buckets of at most ``bucket_cap_mb`` (the first one ``first_bucket_mb``), all-reduced
-    first in, first out as they fill; the optimizer steps once every reduction is done.
-
-    torch DDP given an explicit ``bucket_cap_mb`` uses it for the first bucket too: see `like_torch`.
-    """
-
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("bucket_cap_mb", "first_bucket_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and value * MIB >= 1
-            ):
-                raise ValueError(f"DDPConfig.{name} must be a finite size of at least one byte, in MiB, "
-                                 f"got {value!r}")
-
-    @classmethod
-    def like_torch(cls, bucket_cap_mb: float | None = None) -> DDPConfig:
-        """What ``DistributedDataParallel(bucket_cap_mb=...)`` does: a 1 MiB first bucket only at the default."""
-        return cls() if bucket_cap_mb is None else cls(bucket_cap_mb, bucket_cap_mb)
-
-    @property
-    def bucket_size_limits_bytes(self) -> list[int]:
-        return [int(self.first_bucket_mb * MIB), int(self.bucket_cap_mb * MIB)]
-
-    def describe(self) -> str:
-        return f"torch DDP (buckets of {self.bucket_cap_mb:g} MiB, the first {self.first_bucket_mb:g} MiB)"
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """One steady-state iteration of one system: where its time goes."""
-
-    iteration_s: float
-    """From one forward pass's start to the next one's."""
-    compute_s: float
-    """Forward, backward and update on the worker, stretched where communication ran beside them."""
-    link_busy_s: float
-    """Wire time of this iteration's collectives on the busiest link (with servers: the busiest server's)."""
-    exposed_s: float
-    """``iteration_s - compute_s``: the worker waiting for communication."""
-    collectives: int
-    """All-reduces (or parameter-server push/pulls) per iteration."""
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    update_s: float = 0.0
-    """The worker's share of ``compute_s`` in each phase (the update is on the servers with them)."""
-    contention_s: float = 0.0
-    """How much of ``compute_s`` is the stretch by communication running beside it."""
-    system: str = ""
-
-    def describe(self) -> str:
-        ms = 1e3
-        return (
-            f"{self.system}: {self.iteration_s * ms:.2f} ms per iteration = compute {self.compute_s * ms:.2f} ms "
-            f"(forward {self.forward_s * ms:.2f}, backward {self.backward_s * ms:.2f}, update "
-            f"{self.update_s * ms:.2f}; {self.contention_s * ms:.2f} of it slowed by communication) + "
-            f"{self.exposed_s * ms:.2f} ms waiting for communication; link busy {self.link_busy_s * ms:.2f} ms "
-            f"in {self.collectives} collectives"
-        )
-
-
-# ------------------------------------------------------------------ compiling a system
-@dataclass(frozen=True, eq=False)
-class _Model:
-    """A profile in the form the layout functions take (meta tensors: sizes without memory)."""
-
-    tensors: tuple[torch.Tensor, ...]
-    forward_order: tuple[int, ...]
-    nbytes: tuple[int, ...]
-    ready_s: tuple[float, ...]
-    first_use_s: tuple[float, ...]
-    forward_s: float
-    backward_end_s: float
-    update_s: float
-    total_bytes: int
-
-
-def meta_parameters(profile: Profile) -> tuple[torch.Tensor, ...]:
-    """The profile's parameters as meta tensors (sizes and dtypes, no memory), for the layout
-    functions and the cost model."""
-    return _model(profile).tensors
-
-
-@functools.lru_cache(maxsize=8)
-def _model(profile: Profile) -> _Model:
-    tensors = []
-    for p in profile.parameters:
-        dtype = _DTYPES.get(p.element_size)
-        if dtype is None:
-            raise ValueError(f"parameter {p.name!r} has element_size {p.element_size}; the simulator knows "
-                             f"{sorted(_DTYPES)} bytes per element")
-        tensors.append(torch.empty((p.numel,), dtype=dtype, device="meta"))
-    ready = tuple(max(0.0, p.ready_s) for p in profile.parameters)
-    forward_s = profile.forward_s
-    return _Model(
-        tensors=tuple(tensors), forward_order=tuple(profile.forward_order),
-        nbytes=tuple(p.nbytes for p in profile.parameters), ready_s=ready,
-        first_use_s=tuple(min(forward_s, max(0.0, p.first_use_s)) for p in profile.parameters),
-        forward_s=forward_s, backward_end_s=max(profile.backward_s, max(ready)), update_s=profile.update_s,
-        total_bytes=profile.gradient_bytes,
-    )
+from commsched.simulator.spec import DDPConfig, SimModel, SimResult, model_of
+from commsched.strategy import Strategy
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,7 +50,7 @@ class _System:
     """torch DDP: wait for every reduction, then step; commsched: wait and update bucket by bucket."""
 
 
-def _compile(model: _Model, cluster: Cluster, system: Strategy | DDPConfig) -> _System:
+def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) -> _System:
     if isinstance(system, DDPConfig):
         limits, partition_bytes, by_priority = system.bucket_size_limits_bytes, None, False
         credit, overlap, servers, flags = None, False, 0, False
@@ -229,7 +117,7 @@ _WORK, _READY, _END, _WAIT, _WAIT_ALL, _MARK = range(6)
 _FORWARD, _BACKWARD, _UPDATE = range(3)
 
 
-def _program(model: _Model, system: _System, iterations: int) -> list[tuple]:
+def _program(model: SimModel, system: _System, iterations: int) -> list[tuple]:
     """Per iteration: its start, the forward pass (with overlap: each bucket of the previous
     iteration waited for and updated where the pass first reads it), the backward pass
     (buckets ready), and without overlap the wait and the update."""
@@ -456,7 +344,7 @@ def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, i
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r} (2 or more reach steady state)")
-    model = _model(profile)
+    model = model_of(profile)
     compiled = _compile(model, cluster, system)
     run = _Run(compiled, cluster, iterations)
     current, started = 0, 0.0
@@ -508,7 +396,7 @@ def bound_s(profile: Profile, cluster: Cluster) -> float:
     balanced), against the worker's computation without the update (the
     servers run it).
     """
-    model = _model(profile)
+    model = model_of(profile)
     compute = model.forward_s + model.backward_end_s
     if cluster.servers:
         link = cluster.workers * math.ceil(model.total_bytes / cluster.servers) / cluster.bytes_per_s

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
-from commsched.simulator.engine import SimResult, simulate
+from commsched.simulator.engine import simulate
+from commsched.simulator.spec import SimResult
 from commsched.strategy import ParameterServer, Strategy
 
 PARTITION_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, None)
