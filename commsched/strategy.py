@@ -200,7 +200,7 @@ class Strategy:
     iterations each, starting from the cost model's choice, with a Bayesian
     optimiser (optuna, ``pip install commsched[tune]``), and every rank adopts
     the fastest; a later change of iteration time of more than 20% starts a new
-    search (see [Note: auto-tuning] in commsched/tuning.py). The values given
+    search (see [Note: auto-tuning] in commsched/tuning/__init__.py). The values given
     here are the starting point when ``adaptive=False``. Needs the all-reduce
     backend and ``priority=True``."""
 

@@ -83,7 +83,7 @@ _SIDE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = 
 """Side groups by user group: see [Note: side groups]. An entry goes with its user group, when
 a model lets go of its groups after the user destroyed that group (`forget_destroyed`), and at
 exit, while threads can still run: the cache must never be what holds a group until the
-interpreter finalizes (see [Note: process groups at exit] in commsched/engine/reducer.py)."""
+interpreter finalizes (see [Note: process groups at exit] in commsched/engine/groups.py)."""
 atexit.register(_SIDE_GROUPS.clear)  # after every reducer's own exit handler (registered later)
 
 

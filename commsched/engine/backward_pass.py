@@ -143,7 +143,7 @@ class BackwardPass:
         """The autograd engine is done: settle the parameters that got no gradient, issue the rest.
 
         ``without_gradients``: this rank contributes nothing (it shadows the
-        others' iteration; see [Note: uneven inputs] in `commsched.engine.reducer`).
+        others' iteration; see [Note: uneven inputs] in `commsched.engine.join`).
         """
         self._dispatcher.end_backward()
         if not all(self._ready):
