@@ -1,4 +1,9 @@
-"""The ``commsched`` command as a user runs it."""
+"""The ``commsched`` command as a user runs it.
+
+Each command is a process of its own that spends a second or more importing torch, and
+the tests' commands do not depend on each other's: they all start when the first test
+that runs one needs it (`commands`), two at a time, and each test checks its own.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,41 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+
+COMMANDS: dict[str, Callable[[Path], object]] = {}
+"""What each test runs, by name: a function of a directory of its own, returning what the test checks."""
+
+AT_ONCE = 2
+"""Commands running together: about one per core (each is mostly a single-threaded import)."""
+
+LONGEST = {"test_a_saved_profile_gives_the_same_table", "test_demo_prints_both_systems_with_equal_losses",
+           "test_an_import_path_and_a_torchvision_name_build_the_model",
+           "test_plan_refuses_in_one_line_with_exit_code_2[another version]"}
+
+
+def runs(name: str):
+    """Register ``fn`` as what test ``name`` runs (see `commands`)."""
+    def register(fn):
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+@pytest.fixture(scope="module")
+def commands(request, tmp_path_factory):
+    """Every selected test's commands, started together; ``commands[name].result()`` waits for test ``name``'s."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    wanted = [name for name in COMMANDS if name.split("[")[0] in selected]
+    wanted.sort(key=lambda name: name not in LONGEST)  # the longest first: the two workers end together
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE)
+    started: dict[str, Future] = {name: pool.submit(COMMANDS[name], tmp_path_factory.mktemp("cli")) for name in wanted}
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -18,24 +56,35 @@ def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     )
 
 
+@runs("test_demo_prints_both_systems_with_equal_losses")
+def demo(tmp_path):
+    return run_cli("demo", "--iterations", "3", "--rounds", "2", "--warmup", "1", "--no-progress")
+
+
 @pytest.mark.distributed
-def test_demo_prints_both_systems_with_equal_losses():
-    done = run_cli("demo", "--iterations", "3", "--rounds", "2", "--warmup", "1", "--no-progress")
+def test_demo_prints_both_systems_with_equal_losses(commands):
+    done = commands["test_demo_prints_both_systems_with_equal_losses"].result()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "torch DDP" in done.stdout and "commsched" in done.stdout and "commsched PS, 1 server" in done.stdout
     assert "losses agree to 4 decimals: yes" in done.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["demo", "--world-size", "0"], "--world-size must be at least 1"),
     (["demo", "--ps-servers", "-1"], "--ps-servers must be at least 0"),
     (["demo", "--workload", "nope"], "invalid choice"),
     (["demo", "--bucket-cap-mb", "-1"], "Strategy.bucket_cap_mb must be finite and greater than 0"),
     (["bench", "--ps-servers", "0", "--ps-block-mb", "0.25"], "give --ps-servers 1 or more"),
     (["bench", "--ps-block-mb", "0"], "--ps-block-mb: ParameterServer.block_mb must be None or finite"),
-])
-def test_bad_arguments_say_what_to_change(args, message):
-    done = run_cli(*args, timeout=60)
+]
+for _args, _ in BAD_ARGUMENTS:
+    runs(f"test_bad_arguments_say_what_to_change[{' '.join(_args)}]")(
+        lambda tmp_path, args=_args: run_cli(*args, timeout=60))
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_arguments_say_what_to_change(commands, args, message):
+    done = commands[f"test_bad_arguments_say_what_to_change[{' '.join(args)}]"].result()
     assert done.returncode != 0
     assert message in done.stderr
 
@@ -61,8 +110,13 @@ def table_rows(stdout: str) -> dict[tuple[int, float], str]:
     return rows
 
 
-def test_plan_prints_a_row_per_cell_each_with_a_strategy():
-    done = run_plan("demo-mlp", "--iterations", "2", *PLAN_CELLS)
+@runs("test_plan_prints_a_row_per_cell_each_with_a_strategy")
+def plan_rows(tmp_path):
+    return run_plan("demo-mlp", "--iterations", "2", *PLAN_CELLS)
+
+
+def test_plan_prints_a_row_per_cell_each_with_a_strategy(commands):
+    done = commands["test_plan_prints_a_row_per_cell_each_with_a_strategy"].result()
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table_rows(done.stdout)
     assert set(rows) == {(2, 1.0), (2, 10.0), (8, 1.0), (8, 10.0)}, done.stdout
@@ -70,22 +124,31 @@ def test_plan_prints_a_row_per_cell_each_with_a_strategy():
     assert "demo-mlp on cpu, batch 32 per worker" in done.stdout
 
 
-def test_a_saved_profile_gives_the_same_table(tmp_path):
+@runs("test_a_saved_profile_gives_the_same_table")
+def saved_profile(tmp_path):
     path, png = tmp_path / "demo.json", tmp_path / "speedup.png"
     saved = run_plan("demo-mlp", "--iterations", "2", "--save-profile", str(path), *PLAN_CELLS)
-    assert saved.returncode == 0, saved.stdout + saved.stderr
+    if saved.returncode != 0:
+        return saved, None, None, png
     loaded = run_plan("--profile", str(path), "--plot", str(png), *PLAN_CELLS)
+    faster = run_plan("--profile", str(path), "--compute-scale", "0.5", *PLAN_CELLS)
+    return saved, loaded, faster, png
+
+
+def test_a_saved_profile_gives_the_same_table(commands):
+    saved, loaded, faster, png = commands["test_a_saved_profile_gives_the_same_table"].result()
+    assert saved.returncode == 0, saved.stdout + saved.stderr
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     table = [line for line in saved.stdout.splitlines() if not line.startswith("saved the profile to")]
     assert [line for line in loaded.stdout.splitlines() if not line.startswith("plot: ")] == table
     assert len(table_rows(loaded.stdout)) == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    faster = run_plan("--profile", str(path), "--compute-scale", "0.5", *PLAN_CELLS)
     assert faster.returncode == 0 and "compute times x0.5" in faster.stdout
     assert table_rows(faster.stdout) != table_rows(loaded.stdout)
 
 
-def test_an_import_path_and_a_torchvision_name_build_the_model(tmp_path):
+@runs("test_an_import_path_and_a_torchvision_name_build_the_model")
+def built_models(tmp_path):
     (tmp_path / "torchvision").mkdir()
     (tmp_path / "torchvision" / "__init__.py").write_text("from torchvision import models\n")
     (tmp_path / "torchvision" / "models.py").write_text(
@@ -100,13 +163,18 @@ def test_an_import_path_and_a_torchvision_name_build_the_model(tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     args = ("--batch-size", "2", "--iterations", "1", "--workers", "2", "--gbit", "1")
     tv = run_plan("tinynet", "--input-shape", "3", "8", "8", *args, env=env)
-    assert tv.returncode == 0, tv.stdout + tv.stderr
-    assert "tinynet on cpu, batch 2 per worker" in tv.stdout and len(table_rows(tv.stdout)) == 1
     # As the installed `commsched` script runs: the working directory is not on sys.path by itself (-P).
     imported = subprocess.run(
         [sys.executable, "-P", "-m", "commsched.cli", "plan", "mymodels:conv", "--input-shape", "2", "5", "5", *args],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
+    return tv, imported
+
+
+def test_an_import_path_and_a_torchvision_name_build_the_model(commands):
+    tv, imported = commands["test_an_import_path_and_a_torchvision_name_build_the_model"].result()
+    assert tv.returncode == 0, tv.stdout + tv.stderr
+    assert "tinynet on cpu, batch 2 per worker" in tv.stdout and len(table_rows(tv.stdout)) == 1
     assert imported.returncode == 0, imported.stdout + imported.stderr
     assert "mymodels:conv on cpu" in imported.stdout and len(table_rows(imported.stdout)) == 1
 
@@ -139,8 +207,7 @@ PLAN_REFUSALS = {
 """What ``commsched plan`` refuses, and what its one line must say."""
 
 
-@pytest.mark.parametrize("case", list(PLAN_REFUSALS))
-def test_plan_refuses_in_one_line_with_exit_code_2(tmp_path, case):
+def plan_refusal(tmp_path, case):
     env = None
     if case == "torchvision missing":
         args, env = ["nope"], missing_torchvision(tmp_path)
@@ -159,7 +226,17 @@ def test_plan_refuses_in_one_line_with_exit_code_2(tmp_path, case):
         args = []
     else:
         args = ["demo-mlp", "--workers", "0"]
-    done = run_plan(*args, env=env)
+    return run_plan(*args, env=env)
+
+
+for _case in PLAN_REFUSALS:
+    runs(f"test_plan_refuses_in_one_line_with_exit_code_2[{_case}]")(
+        lambda tmp_path, case=_case: plan_refusal(tmp_path, case))
+
+
+@pytest.mark.parametrize("case", list(PLAN_REFUSALS))
+def test_plan_refuses_in_one_line_with_exit_code_2(commands, case):
+    done = commands[f"test_plan_refuses_in_one_line_with_exit_code_2[{case}]"].result()
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("commsched plan: ") and done.stderr.count("\n") == 1, done.stderr
     assert PLAN_REFUSALS[case] in done.stderr, done.stderr

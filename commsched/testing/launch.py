@@ -39,6 +39,18 @@ class RanksFailed(AssertionError):
     """One or more ranks raised, died or did not finish in time."""
 
 
+_rank_store: dist.TCPStore | None = None
+"""In a rank: the job's store (a client of the parent's), for helpers that synchronise ranks
+without the process group (see `commsched.testing.groups`)."""
+
+
+def rank_store() -> dist.TCPStore:
+    """The job's store, in a rank `run_ranks` started."""
+    if _rank_store is None:
+        raise RuntimeError("rank_store() is for the ranks run_ranks() starts")
+    return _rank_store
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -155,6 +167,7 @@ def _rank_main(
     env: Mapping[str, str],
     backend: str,
 ) -> None:
+    global _rank_store
     os.environ.update(env)
     torch.set_num_threads(threads_per_rank)
     # [Note: the world group outlives destroy_process_group] torch imports torch._dynamo at an
@@ -169,6 +182,7 @@ def _rank_main(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=collective_timeout_s))
+        _rank_store = store
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
@@ -180,3 +194,4 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _rank_store = None

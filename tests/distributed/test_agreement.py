@@ -21,6 +21,7 @@ from commsched import ParameterServer, Strategy
 from commsched.comm.side_groups import takes_cpu_tensors
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -55,7 +56,7 @@ def sgd(params, **options):
 
 SGD_KEYS = sorted(k for k in sgd([torch.zeros(1)]).param_groups[0] if k != "params")
 
-OPTIMIZERS = {
+DIFFERING_OPTIMIZERS = {  # cases, not training settings (those are commsched.testing.OPTIMIZERS)
     # case: (optimizer on ranks 0 and 2, on rank 1, the setting named, their values as shown)
     "optimizer_class": (sgd, lambda ps: torch.optim.Adam(ps, lr=0.1), "optimizer class",
                         ("torch.optim.sgd.SGD", "torch.optim.adam.Adam")),
@@ -103,7 +104,7 @@ def case_strategy_differs(rank: int, field: str):
 
 
 def case_optimizer_differs(rank: int, name: str):
-    usual, odd, setting, values = OPTIMIZERS[name]
+    usual, odd, setting, values = DIFFERING_OPTIMIZERS[name]
 
     def case():
         model, params = model_and_params()
@@ -217,7 +218,8 @@ def case_group_without_cpu_backend(rank: int):
         try:
             control = commsched.status(model).process_groups.control
             assert control is not group and takes_cpu_tensors(control)
-            for got, value in zip(model.parameters(), want):
+            assert want
+            for got, value in zip(model.parameters(), want, strict=True):
                 torch.testing.assert_close(got.detach(), value, rtol=0, atol=0)
         finally:
             commsched.release(model)
@@ -266,7 +268,7 @@ def agreement_grid(rank: int, world_size: int) -> float | None:
     assert world_size == WORLD_SIZE
     run_subtests({
         **{f"strategy_{field}": case_strategy_differs(rank, field) for field in STRATEGY_FIELDS},
-        **{name: case_optimizer_differs(rank, name) for name in OPTIMIZERS},
+        **{name: case_optimizer_differs(rank, name) for name in DIFFERING_OPTIMIZERS},
         "equal_numbers_written_differently": case_equal_numbers_written_differently(rank),
         "scheduler_before_prepare_on_one_rank": case_scheduler_before_prepare_on_one_rank(rank),
         "parameter_server_without_optimizer_on_one_rank": case_parameter_server_without_optimizer_on_one_rank(rank),
@@ -279,8 +281,9 @@ def agreement_grid(rank: int, world_size: int) -> float | None:
     return silent_rank(rank)  # last: it leaves the group's collectives unmatched
 
 
-def test_disagreeing_ranks_get_one_clear_error_on_every_rank(ranks):
-    elapsed = ranks(agreement_grid, WORLD_SIZE, timeout_s=240)
+@in_shared_ranks(agreement_grid, WORLD_SIZE, timeout_s=240, last=True)
+def test_disagreeing_ranks_get_one_clear_error_on_every_rank(shared_ranks):
+    elapsed = shared_ranks.result()
     for rank in (0, 2):
         assert AGREEMENT_TIMEOUT_S * 0.9 <= elapsed[rank] < AGREEMENT_TIMEOUT_S + 5.0, (
             f"rank {rank} gave up after {elapsed[rank]:.1f} s, expected about {AGREEMENT_TIMEOUT_S:g} s")

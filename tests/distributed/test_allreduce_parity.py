@@ -16,20 +16,25 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
-from commsched.testing import run_subtests
+from commsched.testing import (
+    OPTIMIZERS,
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    one_process_backward,
+    one_process_step,
+    reference_copy,
+    run_subtests,
+)
 from commsched.testing.models import BatchNormNet, ParityNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
 PER_RANK_BATCH = 4
 ITERATIONS = 6
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-2),
-    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-}
+PARITY_OPTIMIZERS = ("sgd_dampening", "sgd_nesterov", "adam", "adamw")
+"""The optimizers of the parity grid, by their names in `commsched.testing.OPTIMIZERS`."""
 
 STRATEGIES = {
     "default": commsched.Strategy(),
@@ -54,57 +59,35 @@ def rank_slice(rank: int) -> slice:
     return slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
 
 
-def reference_backward(model, x, y, iteration, world_size):
-    """Single-process backward on the concatenated batch.
+def share_loss(model, x, y, iteration):
+    """``loss_of_share(r)``: rank ``r``'s loss on its slice, routed as rank ``r`` routes it
+    (so unused-parameter patterns match)."""
+    return lambda r: F.mse_loss(model(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
 
-    The loss is the mean over the global batch; each rank's slice is routed as
-    that rank routes it, so unused-parameter patterns match.
-    """
-    loss = sum(
-        F.mse_loss(model(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
-        for r in range(world_size)
-    ) / world_size
-    loss.backward()
+
+def reference_backward(model, x, y, iteration, world_size):
+    """Single-process backward on the concatenated batch (`commsched.testing.one_process_backward`)."""
+    one_process_backward(share_loss(model, x, y, iteration), world_size)
 
 
 def local_step(model, optimizer, x, y, iteration, rank, set_to_none=True):
     """One distributed training step on this rank's slice of the batch."""
-    mine = rank_slice(rank)
-    F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
+    share_loss(model, x, y, iteration)(rank).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=set_to_none)
 
 
 def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
-    """One step of single-process training on the concatenated batch."""
-    reference_backward(model, x, y, iteration, world_size)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=set_to_none)
-
-
-def assert_same_parameters(actual: torch.nn.Module, expected: torch.nn.Module, *, rtol=1e-4, atol=1e-5):
-    actual.state_dict()  # waits for updates still pending under forward overlap
-    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters(), strict=True):
-        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"parameter '{name}': {m}")
-        assert (a.grad is None) == (e.grad is None), (
-            f"parameter '{name}': grad is None: {a.grad is None}, expected {e.grad is None}"
-        )
-
-
-def assert_equal_on_all_ranks(model: torch.nn.Module) -> None:
-    model.state_dict()  # waits for updates still pending under forward overlap
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
-        gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(gathered, tensor.detach().contiguous())
-        for rank, other in enumerate(gathered):
-            assert torch.equal(other, tensor), f"'{name}' differs between this rank and rank {rank}"
+    """One step of single-process training on the concatenated batch (`commsched.testing.one_process_step`)."""
+    one_process_step(optimizer, share_loss(model, x, y, iteration), world_size, set_to_none=set_to_none)
 
 
 def fresh_pair(optimizer_name: str, model_cls=ParityNet):
+    """A model, its optimizer, and the single-process reference: a copy and an optimizer of its own."""
     torch.manual_seed(0)
     model = model_cls()
-    reference = copy.deepcopy(model)
-    return model, OPTIMIZERS[optimizer_name](model.parameters()), reference, OPTIMIZERS[optimizer_name](reference.parameters())
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    return model, OPTIMIZERS[optimizer_name](model.parameters()), reference, reference_optimizer
 
 
 def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none):
@@ -144,7 +127,7 @@ def case_no_sync_accumulation(rank, world_size, micro_steps=3, steps=2, strategy
 
 def case_backward_twice_without_step(rank, world_size):
     """Two backward passes before one step accumulate, as in single-process training."""
-    model, optimizer, reference, reference_optimizer = fresh_pair("sgd")
+    model, optimizer, reference, reference_optimizer = fresh_pair("sgd_dampening")
     model, optimizer = commsched.prepare(model, optimizer)
     data = list(batches(world_size, iterations=4))
     for pair in (data[:2], data[2:]):
@@ -184,10 +167,15 @@ def case_matches_ddp(rank, world_size, optimizer_name, model_cls):
             o.step()
             o.zero_grad()
     optimizer.synchronize()  # updates may still be pending under forward overlap
+    parameters = buffers = 0
     for (name, a), (_, e) in zip(model.named_parameters(), ddp_model.module.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter '{name}': {m}")
+        parameters += 1
     for (name, a), (_, e) in zip(model.named_buffers(), ddp_model.module.named_buffers(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
+        buffers += 1
+    assert parameters > 0
+    assert (buffers > 0) == (model_cls is BatchNormNet), buffers  # ParityNet has none: nothing to compare
 
 
 def case_state_dicts_keep_torch_format(rank, world_size):
@@ -203,8 +191,12 @@ def case_state_dicts_keep_torch_format(rank, world_size):
     reference.load_state_dict(model.state_dict())
     reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     assert isinstance(optimizer, torch.optim.AdamW)
-    for a, b in zip(optimizer.state_dict()["state"].values(), reference_optimizer.state_dict()["state"].values()):
+    compared = 0
+    for a, b in zip(optimizer.state_dict()["state"].values(), reference_optimizer.state_dict()["state"].values(),
+                    strict=True):
         torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=0, atol=0)
+        compared += 1
+    assert compared > 0, "the optimizer has no state after a step"
     optimizer.load_state_dict(copy.deepcopy(reference_optimizer.state_dict()))
     # Training continues identically from the reloaded state on both sides.
     x, y = list(batches(world_size, 2))[1]
@@ -235,28 +227,30 @@ def case_buffers_broadcast_at_forward(rank, world_size):
 def parity_grid(rank: int, world_size: int) -> None:
     cases = {}
     for (opt, strategy_name), set_to_none in itertools.product(
-        itertools.product(OPTIMIZERS, STRATEGIES), (True, False)
+        itertools.product(PARITY_OPTIMIZERS, STRATEGIES), (True, False)
     ):
         cases[f"single_process/{opt}/{strategy_name}/set_to_none={set_to_none}"] = functools.partial(
             case_matches_single_process, rank, world_size, opt, STRATEGIES[strategy_name], set_to_none
         )
     cases["no_sync_accumulation"] = functools.partial(case_no_sync_accumulation, rank, world_size)
     cases["backward_twice_without_step"] = functools.partial(case_backward_twice_without_step, rank, world_size)
-    for opt in OPTIMIZERS:
+    for opt in PARITY_OPTIMIZERS:
         cases[f"ddp/{opt}/ParityNet"] = functools.partial(case_matches_ddp, rank, world_size, opt, ParityNet)
     cases["state_dicts_keep_torch_format"] = functools.partial(case_state_dicts_keep_torch_format, rank, world_size)
     cases["buffers_broadcast_at_forward"] = functools.partial(case_buffers_broadcast_at_forward, rank, world_size)
-    cases["ddp/sgd/BatchNormNet"] = functools.partial(case_matches_ddp, rank, world_size, "sgd", BatchNormNet)
+    cases["ddp/sgd_dampening/BatchNormNet"] = functools.partial(
+        case_matches_ddp, rank, world_size, "sgd_dampening", BatchNormNet)
     run_subtests(cases)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_parity_grid(ranks, world_size):
-    ranks(parity_grid, world_size, timeout_s=300)
+@pytest.mark.parametrize("world_size", [
+    pytest.param(world_size, marks=in_shared_ranks(parity_grid, world_size, timeout_s=300)) for world_size in (2, 3)])
+def test_parity_grid(shared_ranks, world_size):
+    shared_ranks.result()
 
 
 def single_rank_is_plain_training(rank: int, world_size: int) -> None:
-    for opt in OPTIMIZERS:
+    for opt in PARITY_OPTIMIZERS:
         model, optimizer, reference, reference_optimizer = fresh_pair(opt)
         model, optimizer = commsched.prepare(model, optimizer)
         for iteration, (x, y) in enumerate(batches(1)):
@@ -267,5 +261,6 @@ def single_rank_is_plain_training(rank: int, world_size: int) -> None:
         assert_same_parameters(model, reference, rtol=1e-6, atol=1e-7)
 
 
-def test_world_size_one_is_plain_training(ranks):
-    ranks(single_rank_is_plain_training, 1, timeout_s=120)
+@in_shared_ranks(single_rank_is_plain_training, 1, timeout_s=120)
+def test_world_size_one_is_plain_training(shared_ranks):
+    shared_ranks.result()

@@ -20,19 +20,19 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
-from commsched.testing import run_ranks, run_subtests
-from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import OPTIMIZERS as PARITY_OPTIMIZERS
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing import (
+    OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
-    batches,
-    case_no_sync_accumulation,
-    local_step,
-    reference_step,
+    one_process_loss,
+    reference_copy,
+    run_subtests,
 )
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import batches, case_no_sync_accumulation, local_step, reference_step
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
 from tests.distributed.test_training_loops import PER_RANK, CheckpointedNet, norm_penalty
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -65,11 +65,14 @@ class UsedValues:
 
     def assert_same_as(self, reference: UsedValues) -> None:
         assert len(self.iterations) == len(reference.iterations)
+        compared = 0
         for iteration, (mine, theirs) in enumerate(zip(self.iterations[:-1], reference.iterations[:-1])):
             assert mine and mine.keys() <= theirs.keys(), iteration  # a module unused on this rank ran elsewhere
             for name, value in mine.items():
                 torch.testing.assert_close(value, theirs[name], rtol=1e-5, atol=1e-6,
                                            msg=lambda m, n=name, i=iteration: f"iteration {i}, {n}: {m}")
+            compared += 1
+        assert compared > 0, "no iteration recorded"
 
 
 def settings_seen(model: torch.nn.Module) -> list[tuple[str, object]]:
@@ -98,10 +101,8 @@ def case_parity(rank, world_size, optimizer_name, set_to_none, check_every_itera
     """ParityNet (two dtypes, parameters unused on some ranks, one never used): exact at every iteration."""
     torch.manual_seed(0)
     model = ParityNet()
-    reference = copy.deepcopy(model)
-    optimizer = PARITY_OPTIMIZERS[optimizer_name](model.parameters())
-    reference_optimizer = PARITY_OPTIMIZERS[optimizer_name](reference.parameters())
-    model, optimizer = commsched.prepare(model, optimizer, TUNE)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), TUNE)
     used, reference_used = UsedValues(model), UsedValues(reference)
     seen = []
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
@@ -122,22 +123,19 @@ def case_parity(rank, world_size, optimizer_name, set_to_none, check_every_itera
 LOOPS = ("plain", "step_without_backward", "penalty_before_forward", "ema_after_step")
 
 
-def train_in_lockstep(rank, world_size, loop, reentrant=None, optimizer_name="sgd", strategy=TUNE,
+def train_in_lockstep(rank, world_size, loop, reentrant=None, optimizer_name="sgd_momentum", strategy=TUNE,
                       iterations=ITERATIONS, slow_rank0_from=None):
     """CheckpointedNet with a loop of test_training_loops, against one process, compared at every iteration
     (the values each module computed with) and at the end.
 
     ``slow_rank0_from``: a callable of the model telling when rank 0's forward
     pass starts to sleep (a slower link or host, as far as iteration times go).
-    Returns the prepared model.
+    Returns the prepared model and the tuning state this rank saw at each iteration (`settings_seen`).
     """
     torch.manual_seed(0)
     model = CheckpointedNet(reentrant, "middle")
-    reference = copy.deepcopy(model)
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
-            "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2)}[optimizer_name]
-    optimizer, reference_optimizer = make(model.parameters()), make(reference.parameters())
-    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     slow = {"s": 0.0}
     if rank == 0 and slow_rank0_from is not None:
         model.register_forward_pre_hook(lambda module, args: time.sleep(slow["s"]))
@@ -150,13 +148,17 @@ def train_in_lockstep(rank, world_size, loop, reentrant=None, optimizer_name="sg
     while iteration < iterations:
         x = torch.randn(world_size * PER_RANK, 8, generator=generator)
         y = torch.randn(world_size * PER_RANK, 4, generator=generator)
-        for net, opt, slices, averages in (
-            (model, optimizer, [slice(rank * PER_RANK, (rank + 1) * PER_RANK)], ema),
-            (reference, reference_optimizer, [slice(r * PER_RANK, (r + 1) * PER_RANK) for r in range(world_size)],
-             reference_ema),
+
+        def loss_of_share(net, r, x=x, y=y):
+            return F.mse_loss(net(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
+
+        for net, opt, loss_of, averages in (
+            (model, optimizer, lambda: loss_of_share(model, rank), ema),
+            (reference, reference_optimizer,
+             lambda: one_process_loss(functools.partial(loss_of_share, reference), world_size), reference_ema),
         ):
             penalty = norm_penalty(net) if loop == "penalty_before_forward" else 0.0
-            loss = sum(F.mse_loss(net(x[s]), y[s]) for s in slices) / len(slices)
+            loss = loss_of()
             (loss + penalty).backward()
             opt.step()
             opt.zero_grad()
@@ -169,20 +171,21 @@ def train_in_lockstep(rank, world_size, loop, reentrant=None, optimizer_name="sg
         seen += settings_seen(model)
         used.next_iteration()
         reference_used.next_iteration()
+        assert reference_ema.keys() == ema.keys() and ema
         for n, value in reference_ema.items():
             torch.testing.assert_close(ema[n], value, rtol=1e-5, atol=1e-6)
         iteration += 1
         if slow_rank0_from is not None:
             iterations = slow_rank0_from(model, iteration, slow, iterations)
+    assert iteration > 0
     used.assert_same_as(reference_used)
     assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
-    model._seen = seen
-    return model
+    return model, seen
 
 
-def case_loop(rank, world_size, loop, reentrant=None, optimizer_name="sgd"):
-    model = train_in_lockstep(rank, world_size, loop, reentrant, optimizer_name)
-    assert_tuned_the_same_everywhere(model, model._seen)
+def case_loop(rank, world_size, loop, reentrant=None, optimizer_name="sgd_momentum"):
+    model, seen = train_in_lockstep(rank, world_size, loop, reentrant, optimizer_name)
+    assert_tuned_the_same_everywhere(model, seen)
     commsched.release(model)
 
 
@@ -204,18 +207,8 @@ def slow_down_after_tuning(model, iteration, slow, iterations):
     return iterations
 
 
-def case_drift_retunes(rank, world_size):
-    model = train_in_lockstep(rank, world_size, "plain", iterations=200, slow_rank0_from=slow_down_after_tuning)
-    tuning = commsched.status(model).tuning
-    assert tuning.searches == 2 and tuning.phase == "tuned", tuning.reason
-    reasons = [entry for entry in model._seen if entry[0] == "re-tuning"]
-    assert reasons, "no re-tune"
-    assert_tuned_the_same_everywhere(model, model._seen, min_changes=1)
-    commsched.release(model)
-
-
-def reasons_of_a_drift(rank, world_size):
-    """The status while re-tuning says why."""
+def drift_retunes(rank, world_size) -> list[str]:
+    """A slower rank 0 re-tunes, exactly; returns what the status said while re-tuning (why)."""
     texts = []
 
     def watch(model, iteration, slow, iterations):
@@ -224,14 +217,19 @@ def reasons_of_a_drift(rank, world_size):
             texts.append(tuning.reason)
         return slow_down_after_tuning(model, iteration, slow, iterations)
 
-    model = train_in_lockstep(rank, world_size, "plain", iterations=200, slow_rank0_from=watch)
+    model, seen = train_in_lockstep(rank, world_size, "plain", iterations=200, slow_rank0_from=watch)
+    tuning = commsched.status(model).tuning
+    assert tuning.searches == 2 and tuning.phase == "tuned", tuning.reason
+    reasons = [entry for entry in seen if entry[0] == "re-tuning"]
+    assert reasons, "no re-tune"
+    assert_tuned_the_same_everywhere(model, seen, min_changes=1)
     commsched.release(model)
     return texts
 
 
 def cases(rank: int, world_size: int) -> None:
     all_cases = {}
-    for optimizer_name in ("sgd", "adam", "adamw"):
+    for optimizer_name in ("sgd_dampening", "adam", "adamw"):
         for set_to_none in (True, False):
             all_cases[f"parity, {optimizer_name}, set_to_none={set_to_none}"] = functools.partial(
                 case_parity, rank, world_size, optimizer_name, set_to_none)
@@ -243,16 +241,18 @@ def cases(rank: int, world_size: int) -> None:
         case_loop, rank, world_size, "plain", False, "adam")
     all_cases["no_sync accumulation across switch points"] = functools.partial(
         case_no_sync_across_switch_points, rank, world_size)
-    all_cases["a slower rank 0 re-tunes, exactly"] = functools.partial(case_drift_retunes, rank, world_size)
     run_subtests(all_cases)
 
 
-def test_training_is_exact_across_every_change_of_the_tuned_setting():
-    run_ranks(cases, 2, timeout_s=500)
+@in_shared_ranks(cases, 2, timeout_s=500)
+def test_training_is_exact_across_every_change_of_the_tuned_setting(shared_ranks):
+    shared_ranks.result()
 
 
-def test_a_re_tune_says_why():
-    texts = run_ranks(reasons_of_a_drift, 2, timeout_s=200)
+@in_shared_ranks(drift_retunes, 2, timeout_s=300)
+def test_a_slower_rank_0_re_tunes_exactly_and_says_why(shared_ranks):
+    """Once part of the test above (exact across a re-tune) and a run of its own (the reason): one run."""
+    texts = shared_ranks.result()
     assert texts[0] == texts[1] and texts[0]
     assert texts[0][0].startswith("re-tuning: iteration time rose "), texts[0][0]
 
@@ -260,14 +260,17 @@ def test_a_re_tune_says_why():
 def tuned_setting_without_overlap(rank: int, world_size: int) -> str:
     """overlap_forward=False: every setting tried keeps it off."""
     strategy = dataclasses.replace(TUNE, overlap_forward=False)
-    model = train_in_lockstep(rank, world_size, "plain", strategy=strategy)
+    model, seen = train_in_lockstep(rank, world_size, "plain", strategy=strategy)
     tuning = commsched.status(model).tuning
-    assert all(not setting.overlap_forward for _, setting in tuning.changes)
-    assert_tuned_the_same_everywhere(model, model._seen)
+    assert tuning.changes and all(not setting.overlap_forward for _, setting in tuning.changes)
+    assert_tuned_the_same_everywhere(model, seen)
     commsched.release(model)
     return tuning.reason
 
 
-def test_overlap_is_never_switched_on_when_the_strategy_has_it_off():
-    for text in run_ranks(tuned_setting_without_overlap, 2, timeout_s=120):
+@in_shared_ranks(tuned_setting_without_overlap, 2, timeout_s=120)
+def test_overlap_is_never_switched_on_when_the_strategy_has_it_off(shared_ranks):
+    texts = shared_ranks.result()
+    assert len(texts) == 2
+    for text in texts:
         assert text.startswith("tuned: "), text

@@ -8,7 +8,7 @@ from commsched.bench.compare import ComparisonConfig
 from commsched.bench.in_situ import profile_on_rank
 from commsched.bench.models import WORKLOADS
 from commsched.profiling.profile import Profile
-from commsched.testing import run_ranks
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -17,8 +17,9 @@ def profile_demo(rank: int, world_size: int) -> dict | None:
     return profile_on_rank(rank, world_size, ComparisonConfig(workload="demo-mlp", batch_size=16), iterations=2)
 
 
-def test_rank_0_gets_the_profile_with_the_link_of_every_worker():
-    first, second = run_ranks(profile_demo, 2, timeout_s=240)
+@in_shared_ranks(profile_demo, 2, timeout_s=240)
+def test_rank_0_gets_the_profile_with_the_link_of_every_worker(shared_ranks):
+    first, second = shared_ranks.result()
     assert second is None
     profile = Profile.from_dict(first)
     assert profile.model == "demo-mlp" and profile.batch_size == 16

@@ -20,7 +20,7 @@ from commsched.bench.peers import build, fsdp2_units, sgd
 from commsched.bench.server_link import server_link_on_rank
 from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
 from commsched.strategy import Strategy
-from commsched.testing import run_ranks
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -94,11 +94,16 @@ def what_was_built(system) -> dict:
             == {id(p) for group in optimizer.param_groups for p in group["params"]}}
 
 
-@pytest.fixture(scope="module")
-def compared() -> dict[str, dict[str, SystemResult]]:
-    return run_ranks(compare_everything, 2, timeout_s=120)[0]
+in_the_comparison = in_shared_ranks(compare_everything, 2, timeout_s=120)
+"""The tests that read `compare_everything`'s results: it runs once for them all."""
 
 
+@pytest.fixture
+def compared(shared_ranks) -> dict[str, dict[str, SystemResult]]:
+    return shared_ranks.result()[0]
+
+
+@in_the_comparison
 @pytest.mark.parametrize("peer", PEERS + (OURS,), ids=lambda system: system.name)
 def test_peer_trains_like_ddp(compared, peer):
     results = compared["peers"]
@@ -110,6 +115,7 @@ def test_peer_trains_like_ddp(compared, peer):
     assert result.eval_loss == pytest.approx(reference.eval_loss, rel=1e-3)
 
 
+@in_the_comparison
 def test_peers_are_built_as_named(compared):
     built = compared["built"]
     static, static_small, fsdp2 = (built[system.name] for system in PEERS)
@@ -120,6 +126,7 @@ def test_peers_are_built_as_named(compared):
     assert all(entry["optimizes_the_model"] for entry in built.values())
 
 
+@in_the_comparison
 def test_commsched_figures_cover_every_measured_iteration_but_a_rounds_last(compared):
     """One figure per measured iteration whose waits ended in the next one (2 rounds x (2 - 1)): the
     breakdown averages them. A round's last iteration's waits end in the drain, timed apart."""
@@ -128,10 +135,12 @@ def test_commsched_figures_cover_every_measured_iteration_but_a_rounds_last(comp
         assert len(result.exposed_wait_s) == len(result.update_s) == 2, system.name
         assert all(value >= 0 for value in result.exposed_wait_s + result.update_s)
     assert not compared["peers"][DDP.name].exposed_wait_s
+    assert set(compared["peers"]) == {system.name for system in (DDP, *PEERS, OURS, OFF)}
     for name, result in compared["peers"].items():
         assert len(result.drain_s) == 2 and all(value >= 0 for value in result.drain_s), name
 
 
+@in_the_comparison
 def test_a_model_fsdp2_cannot_shard_is_reported_and_the_rest_goes_on(compared):
     results = compared["refused"]
     refusal = results[TorchFSDP2().name].unavailable
@@ -140,12 +149,14 @@ def test_a_model_fsdp2_cannot_shard_is_reported_and_the_rest_goes_on(compared):
     assert results[DDP.name].unavailable is None and len(results[DDP.name].iteration_times_s) == 2
 
 
+@in_the_comparison
 def test_the_contention_measurement_times_each_pair_and_the_all_reduce_alone(compared):
     measured = compared["contention"]
     assert len(measured.compute_alone_s) == len(measured.together_s) == len(measured.allreduce_s) == 3
     assert all(value > 0 for value in measured.compute_alone_s + measured.together_s + measured.allreduce_s)
 
 
+@in_the_comparison
 def test_the_contention_measurement_reports_the_slowest_worker(compared):
     """[Note: the bound with contention]: an iteration ends with its slowest rank, so rank 0, the
     faster here, reports rank 1's computation, alone and beside the all-reduce."""
@@ -154,6 +165,7 @@ def test_the_contention_measurement_reports_the_slowest_worker(compared):
     assert min(measured.compute_alone_s + measured.together_s) >= SLOW_S
 
 
+@in_the_comparison
 def test_the_server_link_is_timed_per_round_with_servers_and_not_at_all_without(compared):
     """[Note: the measured server link]: rank 0 (a worker) reports the slowest rank's time per round."""
     measured = compared["server_link"]

@@ -135,9 +135,11 @@ def _wait_for(condition, timeout_s: float) -> None:
 
 
 def check_survivors(fault_at: float, hosts: list[Host], lost: int) -> None:
+    checked = 0
     for rank, host in enumerate(hosts):
         if rank == lost:
             continue
+        checked += 1
         error = host.error()
         assert error is not None, f"rank {rank} raised no CommunicationTimeout:\n{host.log()}"
         at, message = error
@@ -148,6 +150,7 @@ def check_survivors(fault_at: float, hosts: list[Host], lost: int) -> None:
         # 1: the error ended the script; rarely a signal at exit (see test_exit.py), promptly all the same.
         assert host.process.returncode in (1, -signal.SIGSEGV, -signal.SIGABRT), (
             f"rank {rank} exited with {host.process.returncode}:\n{host.log()}")
+    assert checked == HOSTS - 1, f"{checked} survivors checked of {HOSTS - 1}"
 
 
 def test_a_killed_host_is_named_by_every_survivor():

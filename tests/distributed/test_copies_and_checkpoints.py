@@ -23,18 +23,12 @@ from torch.optim.swa_utils import AveragedModel
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
-from commsched.prepared.module import CommschedModule
-from commsched.testing import run_subtests
+from commsched import CommschedModule, CommschedOptimizer
+from commsched.testing import OPTIMIZERS, assert_same_parameters, run_subtests
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import (
-    OPTIMIZERS,
-    assert_same_parameters,
-    batches,
-    local_step,
-    rank_slice,
-    reference_step,
-    uses_aux,
-)
+from tests.distributed.test_allreduce_parity import batches, local_step, rank_slice, reference_step, uses_aux
+from tests.distributed.test_allreduce_parity import fresh_pair as parity_pair
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -54,28 +48,44 @@ def count_calls(module, args, output):
 
 
 def fresh_pair(optimizer_name):
-    torch.manual_seed(0)
-    model = UserNet()
-    reference = copy.deepcopy(model)
-    return model, OPTIMIZERS[optimizer_name](model.parameters()), reference, OPTIMIZERS[optimizer_name](reference.parameters())
+    """The user's model, its optimizer, and the single-process reference (test_allreduce_parity's)."""
+    return parity_pair(optimizer_name, model_cls=UserNet)
+
+
+def assert_nothing_of_commsched(obj, what):
+    """No attribute of ``obj`` is named after commsched or holds an object of commsched's."""
+    assert vars(obj), f"{what} has no attributes"
+    for attribute, value in vars(obj).items():
+        assert "commsched" not in attribute.lower(), f"{what} has an attribute '{attribute}'"
+        assert not type(value).__module__.startswith("commsched"), (
+            f"{what}.{attribute} is a {type(value).__module__}.{type(value).__qualname__}")
 
 
 def assert_plain(copied, user_hooks=()):
-    """The user's class, no reducer, and no hooks but the user's own (``(module name, table)`` pairs)."""
+    """The user's class, nothing of commsched's, and no hooks but the user's own (``(module name, table)`` pairs)."""
     assert type(copied) is UserNet, type(copied)
     assert not isinstance(copied, CommschedModule)
-    assert not hasattr(copied, "_commsched_reducer")
+    tables = parameters = 0
     for name, module in copied.named_modules():
+        assert not isinstance(module, CommschedModule), name
+        assert_nothing_of_commsched(module, f"module '{name}'")
         for table_name, table in vars(module).items():
-            if "hooks" in table_name and isinstance(table, dict) and (name, table_name) not in user_hooks:
-                assert not table, f"module '{name}' still has {table_name}: {dict(table)}"
+            if "hooks" in table_name and isinstance(table, dict):
+                tables += 1
+                if (name, table_name) not in user_hooks:
+                    assert not table, f"module '{name}' still has {table_name}: {dict(table)}"
     for name, param in copied.named_parameters():
         assert not param._post_accumulate_grad_hooks, f"parameter '{name}' still has gradient hooks"
+        parameters += 1
+    assert tables > 0 and parameters > 0, (tables, parameters)
 
 
 def assert_parameters_equal(actual, expected, what):
+    compared = 0
     for (name, a), b in zip(actual.named_parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{what}, parameter '{name}': {m}")
+        compared += 1
+    assert compared > 0, f"{what}: no parameters"
 
 
 def assert_waited(copied, stale):
@@ -105,8 +115,11 @@ def case_deepcopy_is_plain_and_current(rank, world_size, optimizer_name):
             assert_waited(copied, stale)
             assert_parameters_equal(copied, model, "copy against the original")
             assert_same_parameters(copied, reference)
+            compared = 0
             for (name, c), p in zip(copied.named_parameters(), model.parameters(), strict=True):
                 assert c.untyped_storage().data_ptr() != p.untyped_storage().data_ptr(), name
+                compared += 1
+            assert compared > 0
             at_copy = copy.deepcopy(copied)
     # The original kept its hooks and reducer: it trained on exactly as a model never copied.
     assert isinstance(model, CommschedModule) and model.embed.weight._post_accumulate_grad_hooks
@@ -152,7 +165,7 @@ def case_whole_module_pickled(rank, world_size):
 
 
 def case_swa_averaged_model(rank, world_size):
-    model, optimizer, reference, reference_optimizer = fresh_pair("sgd")
+    model, optimizer, reference, reference_optimizer = fresh_pair("sgd_dampening")
     model, optimizer = commsched.prepare(model, optimizer)
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
         local_step(model, optimizer, x, y, iteration, rank)
@@ -188,7 +201,8 @@ def case_ema_after_synchronize(rank, world_size):
 
 def copies(rank: int, world_size: int) -> None:
     run_subtests({
-        "deepcopy/sgd": functools.partial(case_deepcopy_is_plain_and_current, rank, world_size, "sgd"),
+        "deepcopy/sgd_dampening": functools.partial(
+            case_deepcopy_is_plain_and_current, rank, world_size, "sgd_dampening"),
         "deepcopy/adam": functools.partial(case_deepcopy_is_plain_and_current, rank, world_size, "adam"),
         "torch.save(model)": functools.partial(case_whole_module_pickled, rank, world_size),
         "swa_averaged_model": functools.partial(case_swa_averaged_model, rank, world_size),
@@ -196,13 +210,14 @@ def copies(rank: int, world_size: int) -> None:
     })
 
 
-def test_copies_of_a_prepared_model(ranks):
-    ranks(copies, WORLD_SIZE, timeout_s=240)
+@in_shared_ranks(copies, WORLD_SIZE, timeout_s=240)
+def test_copies_of_a_prepared_model(shared_ranks):
+    shared_ranks.result()
 
 
 # ------------------------------------------------------------ checkpoints
 
-CHECKPOINT_OPTIMIZERS = ("sgd", "adam")
+CHECKPOINT_OPTIMIZERS = ("sgd_dampening", "adam")
 STOP_AFTER = (WARMUP_ITERATIONS - 1, WARMUP_ITERATIONS + 2)
 """Iterations before the restart: while warming up, before the plan; and with the plan, overlapping."""
 SAVE_POINTS = ("after_step", "after_zero_grad")
@@ -250,11 +265,6 @@ def case_uninterrupted(rank, world_size, directory, optimizer_name):
     torch.save(model.state_dict(), uninterrupted_path(directory, optimizer_name, rank))
 
 
-def uninterrupted(rank: int, world_size: int, directory: str) -> None:
-    run_subtests({name: functools.partial(case_uninterrupted, rank, world_size, directory, name)
-                  for name in CHECKPOINT_OPTIMIZERS})
-
-
 def case_save(rank, world_size, directory, optimizer_name, stop, save_point):
     """Train ``stop`` iterations; right after the last step() (or its zero_grad()), checkpoint on rank 0."""
     model, optimizer, scheduler = prepared(optimizer_name)
@@ -275,10 +285,14 @@ def case_save(rank, world_size, directory, optimizer_name, stop, save_point):
         torch.save(checkpoint, checkpoint_path(directory, optimizer_name, stop, save_point))
 
 
-def save_checkpoints(rank: int, world_size: int, directory: str) -> None:
+def uninterrupted_and_save_checkpoints(rank: int, world_size: int, directory: str) -> None:
+    """The uninterrupted runs, and the runs up to k that checkpoint (the resumed runs need new processes)."""
     run_subtests({
-        f"{name}/k={stop}/{point}": functools.partial(case_save, rank, world_size, directory, name, stop, point)
-        for name, stop, point in itertools.product(CHECKPOINT_OPTIMIZERS, STOP_AFTER, SAVE_POINTS)
+        **{f"uninterrupted/{name}": functools.partial(case_uninterrupted, rank, world_size, directory, name)
+           for name in CHECKPOINT_OPTIMIZERS},
+        **{f"save/{name}/k={stop}/{point}": functools.partial(
+            case_save, rank, world_size, directory, name, stop, point)
+           for name, stop, point in itertools.product(CHECKPOINT_OPTIMIZERS, STOP_AFTER, SAVE_POINTS)},
     })
 
 
@@ -303,7 +317,7 @@ def case_resume(rank, world_size, directory, optimizer_name, stop, save_point, l
     assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
     expected = torch.load(uninterrupted_path(directory, optimizer_name, rank), weights_only=True)
     resumed = model.state_dict()
-    assert list(resumed) == list(expected)
+    assert list(resumed) == list(expected) and expected, "nothing to compare"
     for name, value in expected.items():
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0,
                                    msg=lambda m: f"'{name}' after the restart: {m}")
@@ -317,39 +331,43 @@ def resume_from_checkpoints(rank: int, world_size: int, directory: str) -> None:
     })
 
 
-def test_checkpoint_restart_continues_exactly(ranks, tmp_path):
-    """Three runs, each with new processes and a new process group: uninterrupted, up to k, from k."""
-    directory = str(tmp_path)
-    ranks(uninterrupted, WORLD_SIZE, directory, timeout_s=180)
-    ranks(save_checkpoints, WORLD_SIZE, directory, timeout_s=180)
-    ranks(resume_from_checkpoints, WORLD_SIZE, directory, timeout_s=240)
+@in_shared_ranks(uninterrupted_and_save_checkpoints, WORLD_SIZE, timeout_s=240, tmp_dir=True)
+def test_checkpoint_restart_continues_exactly(ranks, shared_ranks):
+    """The uninterrupted runs and the runs up to k, then the runs from k in new processes with a new process group."""
+    shared_ranks.result()
+    ranks(resume_from_checkpoints, WORLD_SIZE, str(shared_ranks.path), timeout_s=240)
 
 
 # ------------------------------------------------------- optimizer copies
 
 
-OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+OPTIMIZER_CLASSES = {"sgd_dampening": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 def assert_plain_optimizer(copied, optimizer_name):
-    """torch.optim's own class (so not commsched's mixed one), and no reducer."""
+    """torch.optim's own class (so not commsched's mixed one), and nothing of commsched's."""
     assert type(copied) is OPTIMIZER_CLASSES[optimizer_name], type(copied)
-    assert "_commsched_reducer" not in vars(copied)
+    assert not isinstance(copied, CommschedOptimizer)
+    assert_nothing_of_commsched(copied, "the optimizer")
 
 
 def assert_same_optimizer_state(actual, expected, what):
     """Same hyper-parameters, and per parameter (matched by position) the same state."""
     assert len(actual.param_groups) == len(expected.param_groups)
+    parameters = values = 0
     for group, reference_group in zip(actual.param_groups, expected.param_groups, strict=True):
         assert {k: v for k, v in group.items() if k != "params"} == {
             k: v for k, v in reference_group.items() if k != "params"}, what
         for index, (param, reference_param) in enumerate(zip(group["params"], reference_group["params"], strict=True)):
             state, reference_state = actual.state.get(param, {}), expected.state.get(reference_param, {})
             assert set(state) == set(reference_state), f"{what}, parameter {index}: {set(state)} != {set(reference_state)}"
+            parameters += 1
             for key, value in reference_state.items():
                 torch.testing.assert_close(torch.as_tensor(state[key]).to(torch.as_tensor(value).dtype),
                                            torch.as_tensor(value), rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"{what}, parameter {index}, state '{key}': {m}")
+                values += 1
+    assert parameters > 0 and values > 0, f"{what}: nothing compared ({parameters} parameters, {values} values)"
 
 
 def optimizer_tensors(optimizer):
@@ -413,8 +431,11 @@ def case_optimizer_deepcopy(rank, world_size, optimizer_name):
     assert all(type(p) is torch.nn.Parameter and not p._post_accumulate_grad_hooks for p in params)
     assert not any(p is q for p, q in zip(params, model.parameters()))
     assert any(not torch.equal(p, s) for p, s in zip(params, stale_params, strict=True))
+    compared = 0
     for p, e in zip(params, reference_optimizer.param_groups[0]["params"], strict=True):
         torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-5)
+        compared += 1
+    assert compared > 0
     # The copy is an optimizer of its own: it steps its own parameters, not the model's.
     before = [p.detach().clone() for p in model.parameters()]
     for p in params:
@@ -481,12 +502,13 @@ def case_optimizer_pickled(rank, world_size):
 
 def optimizer_copies(rank: int, world_size: int) -> None:
     run_subtests({
-        "deepcopy(opt)/sgd": functools.partial(case_optimizer_deepcopy, rank, world_size, "sgd"),
+        "deepcopy(opt)/sgd_dampening": functools.partial(case_optimizer_deepcopy, rank, world_size, "sgd_dampening"),
         "deepcopy(opt)/adam": functools.partial(case_optimizer_deepcopy, rank, world_size, "adam"),
         "deepcopy({opt, model})": functools.partial(case_deepcopy_optimizer_with_model, rank, world_size),
         "torch.save(opt)": functools.partial(case_optimizer_pickled, rank, world_size),
     })
 
 
-def test_copies_of_a_prepared_optimizer(ranks):
-    ranks(optimizer_copies, WORLD_SIZE, timeout_s=240)
+@in_shared_ranks(optimizer_copies, WORLD_SIZE, timeout_s=240)
+def test_copies_of_a_prepared_optimizer(shared_ranks):
+    shared_ranks.result()

@@ -81,8 +81,9 @@ def test_no_operation_is_left_for_the_interpreters_finalization():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
 def test_destroyed_groups_are_freed_at_exit():
-    for rank, (with_world_group, after_destroy, at_exit) in enumerate(
-            run_ranks(groups_freed_at_exit, 2, timeout_s=120)):
+    counts = run_ranks(groups_freed_at_exit, 2, timeout_s=120)
+    assert len(counts) == 2
+    for rank, (with_world_group, after_destroy, at_exit) in enumerate(counts):
         # After destroy_process_group() the reducer still holds its buffer group,
         # whose gloo threads run on ...
         assert after_destroy > with_world_group, (rank, with_world_group, after_destroy)
@@ -194,6 +195,7 @@ def _error_of(lines: list[str]) -> tuple[float, str] | None:
 
 
 def _check_prompt_exits(results, expected_code: int, named: str) -> None:
+    assert results, "no survivor to check"
     for rank, (message, exit_s, code, log) in results.items():
         assert exit_s is not None and exit_s < EXIT_WITHIN_S, (
             f"rank {rank} got its error, then took {exit_s if exit_s is None else round(exit_s, 1)} s "

@@ -11,9 +11,10 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
-from commsched.testing import run_ranks, run_subtests
+from commsched.testing import OPTIMIZERS, run_subtests
 from commsched.testing.models import BatchNormNet, ParityNet
 from tests.distributed.test_ps import prepare_or_serve
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -60,8 +61,8 @@ def case_same_as_ddp(rank, world_size, strategy, model_kind, counts=batch_counts
         else:
             model, shape, classes = ParityNet(), (8,), None
         reference = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=model_kind == "parity")
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        reference_optimizer = OPTIMIZERS["sgd_momentum_no_decay"](reference.parameters())
+        optimizer = OPTIMIZERS["sgd_momentum_no_decay"](model.parameters())
         model, optimizer = commsched.prepare(model, optimizer, strategy)
         train_under_join(model, optimizer, rank, count, shape, classes)
         optimizer.synchronize()
@@ -70,8 +71,11 @@ def case_same_as_ddp(rank, world_size, strategy, model_kind, counts=batch_counts
                 loss_of(reference, x, y, classes).backward()
                 reference_optimizer.step()
                 reference_optimizer.zero_grad()
+        compared = 0
         for (name, got), want in zip(model.state_dict().items(), reference.module.state_dict().values(), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            compared += 1
+        assert compared > 0
         commsched.release(model)
 
     return case
@@ -107,9 +111,10 @@ def uneven_inputs(rank: int, world_size: int) -> None:
     run_subtests(cases)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_uneven_inputs_under_join_match_ddp(world_size):
-    run_ranks(uneven_inputs, world_size, timeout_s=300)
+@pytest.mark.parametrize("world_size", [
+    pytest.param(world_size, marks=in_shared_ranks(uneven_inputs, world_size, timeout_s=300)) for world_size in (2, 3)])
+def test_uneven_inputs_under_join_match_ddp(shared_ranks, world_size):
+    shared_ranks.result()
 
 
 def join_refused_with_parameter_servers(rank: int, world_size: int) -> None:
@@ -128,5 +133,6 @@ def join_refused_with_parameter_servers(rank: int, world_size: int) -> None:
     commsched.release(model)
 
 
-def test_join_is_refused_with_parameter_servers():
-    run_ranks(join_refused_with_parameter_servers, 3, timeout_s=120)
+@in_shared_ranks(join_refused_with_parameter_servers, 3, timeout_s=120)
+def test_join_is_refused_with_parameter_servers(shared_ranks):
+    shared_ranks.result()

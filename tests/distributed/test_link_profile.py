@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from commsched.profiling.link import measure_link, profile_on_group
-from commsched.testing import run_ranks, run_subtests
+from commsched.testing import run_subtests
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -34,8 +35,9 @@ def measure_on_rank(rank: int, world_size: int) -> dict:
     return {"link": link, "profile": profile}
 
 
-def test_the_link_of_two_ranks():
-    first, second = run_ranks(measure_on_rank, 2, timeout_s=240)
+@in_shared_ranks(measure_on_rank, 2, timeout_s=240)
+def test_the_link_of_two_ranks(shared_ranks):
+    first, second = shared_ranks.result()
 
     def same_on_every_rank():
         assert first["link"] == second["link"]

@@ -13,6 +13,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 import commsched
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -156,8 +157,9 @@ def misuse_grid(rank: int, world_size: int) -> None:
     })
 
 
-def test_misuse_raises_on_every_rank(ranks):
-    ranks(misuse_grid, 2, timeout_s=180)
+@in_shared_ranks(misuse_grid, 2, timeout_s=180)
+def test_misuse_raises_on_every_rank(shared_ranks):
+    shared_ranks.result()
 
 
 HANG_POINTS = {

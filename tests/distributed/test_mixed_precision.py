@@ -11,7 +11,6 @@ own scaling support). Infs come from the data, so one process sees them too.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
@@ -21,8 +20,9 @@ from torch import nn
 
 import commsched
 from commsched.engine.reducer import ONE_REPLICA_REASON
-from commsched.testing import run_ranks, run_subtests
+from commsched.testing import OPTIMIZERS, one_process_loss, reference_copy, run_subtests
 from commsched.update.grad_scaling import GRAD_SCALER_REASON
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -44,13 +44,6 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(self.first(x)))
 
-
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    "fused adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
-    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
-}
 
 STRATEGIES = {
     "default": commsched.Strategy(),
@@ -78,10 +71,12 @@ def train(model, optimizer, world_size, rank, loop, scaler=None, device="cpu"):
                 # A slow rank 0: rank 1's reductions are still in flight when it reaches step(),
                 # so a scaler that checked rank 1's own gradients would find no inf there.
                 time.sleep(SLOW_RANK_S)
-        mine = range(world_size) if rank is None else [rank]
+
+        def loss_of_share(r: int, x=x, y=y) -> torch.Tensor:
+            return F.mse_loss(model(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
+
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=loop == "bf16 autocast"):
-            loss = sum(F.mse_loss(model(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
-                       for r in mine) / len(mine)
+            loss = one_process_loss(loss_of_share, world_size) if rank is None else loss_of_share(rank)
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -107,11 +102,9 @@ def case(world_size, rank, strategy, optimizer_name, loop, device="cpu"):
     def run() -> None:
         torch.manual_seed(0)
         model = Net().to(device)
-        optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-        reference = copy.deepcopy(model)
-        reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+        reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
         scaled = loop != "bf16 autocast"
-        model, optimizer = commsched.prepare(model, optimizer, strategy)
+        model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
         got, got_scales = train(model, optimizer, world_size, rank, loop, new_scaler(device) if scaled else None,
                                 device)
         status = commsched.status(model)
@@ -120,6 +113,7 @@ def case(world_size, rank, strategy, optimizer_name, loop, device="cpu"):
                                   new_scaler(device) if scaled else None, device)
         assert got_scales == want_scales  # the same steps skipped, on every rank
         tolerance = {"rtol": 1e-5, "atol": 1e-6} if scaled else {"rtol": 2e-2, "atol": 2e-3}
+        assert want.keys() == got.keys() and want, "nothing to compare"
         for name, value in want.items():
             assert torch.isfinite(got[name]).all(), name
             torch.testing.assert_close(got[name], value, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
@@ -135,7 +129,7 @@ def scaler_first_seen_after_warmup(rank: int, world_size: int, device: str = "cp
     """With reductions in flight, the scaler's inf check read gradients not yet averaged: refused."""
     torch.manual_seed(0)
     model = Net().to(device)
-    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd"](model.parameters()), commsched.Strategy())
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd_momentum"](model.parameters()), commsched.Strategy())
     x, y = torch.randn(PER_RANK, 8, device=device), torch.randn(PER_RANK, 4, device=device)
     try:
         for _ in range(5):
@@ -155,26 +149,29 @@ def scaler_first_seen_after_warmup(rank: int, world_size: int, device: str = "cp
 def mixed_precision_cases(rank: int, world_size: int, device: str = "cpu") -> None:
     cases = {}
     for label, strategy in STRATEGIES.items():
-        for optimizer_name in ("sgd", "adam"):
+        for optimizer_name in ("sgd_momentum", "adam_no_decay"):
             cases[f"{label} {optimizer_name} scaler"] = case(
                 world_size, rank, strategy, optimizer_name, "plain", device)
-        cases[f"{label} sgd unscale and clip"] = case(world_size, rank, strategy, "sgd", "unscale and clip", device)
-    for optimizer_name in ("fused adamw", "rmsprop"):
+        cases[f"{label} sgd_momentum unscale and clip"] = case(
+            world_size, rank, strategy, "sgd_momentum", "unscale and clip", device)
+    for optimizer_name in ("adamw_fused", "rmsprop"):
         for label in ("default", "unfused, no overlap"):
             cases[f"{label} {optimizer_name} scaler"] = case(
                 world_size, rank, STRATEGIES[label], optimizer_name, "plain", device)
     for label in ("default", "no overlap"):
-        cases[f"{label} sgd bf16 autocast"] = case(
-            world_size, rank, STRATEGIES[label], "sgd", "bf16 autocast", device)
+        cases[f"{label} sgd_momentum bf16 autocast"] = case(
+            world_size, rank, STRATEGIES[label], "sgd_momentum", "bf16 autocast", device)
     if world_size > 1:  # one rank has nothing in flight
         cases["scaler first seen after warm-up"] = lambda: scaler_first_seen_after_warmup(rank, world_size, device)
     run_subtests(cases)
 
 
-def test_mixed_precision_matches_one_process():
-    run_ranks(mixed_precision_cases, 2, timeout_s=400)
+@in_shared_ranks(mixed_precision_cases, 2, timeout_s=400)
+def test_mixed_precision_matches_one_process(shared_ranks):
+    shared_ranks.result()
 
 
-def test_mixed_precision_one_rank():
+@in_shared_ranks(mixed_precision_cases, 1, timeout_s=400)
+def test_mixed_precision_one_rank(shared_ranks):
     """The cases tests/gpu runs on one NCCL rank, here on CPU."""
-    run_ranks(mixed_precision_cases, 1, timeout_s=400)
+    shared_ranks.result()

@@ -19,16 +19,17 @@ from torch import nn
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
-from commsched.testing import run_subtests
-from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing import (
+    OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
-    batches,
-    rank_slice,
-    reference_backward,
-    uses_aux,
+    one_process_gradients_as_all_reduce,
+    reference_copy,
+    run_subtests,
 )
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import batches, rank_slice, reference_backward, uses_aux
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -41,15 +42,12 @@ def body_and_head(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
     return body, [model.head.weight, model.head.bias]
 
 
-def body_optimizer(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-2)
-
-
-def head_optimizer(params):
-    return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-2)
+body_optimizer = OPTIMIZERS["sgd_momentum"]
+head_optimizer = OPTIMIZERS["adam"]
 
 
 def two_models():
+    """A model and its single-process reference (an unprepared copy; each case builds the optimizers)."""
     torch.manual_seed(0)
     model = ParityNet()
     return model, copy.deepcopy(model)
@@ -160,8 +158,11 @@ def case_second_unprepared_model(rank, world_size):
           reference_optimizers=[head_optimizer(reference.parameters())], between=step_other)
     assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
     assert_same_parameters(model, reference)
+    compared = 0
     for a, e in zip(other.parameters(), other_reference.parameters(), strict=True):
         assert torch.equal(a, e)
+        compared += 1
+    assert compared == 2  # nn.Linear's weight and bias
 
 
 def case_plain_optimizer_after_release(rank, world_size):
@@ -177,8 +178,11 @@ def case_plain_optimizer_after_release(rank, world_size):
     for m, o in ((model, plain), (local, plain_local)):
         F.mse_loss(m(x), y).backward()
         o.step()
+    compared = 0
     for (name, a), (_, e) in zip(model.named_parameters(), local.named_parameters(), strict=True):
         assert torch.equal(a, e), name
+        compared += 1
+    assert compared > 0
 
 
 def case_foreign_optimizer_in_a_gradient_hook(rank, world_size):
@@ -186,7 +190,7 @@ def case_foreign_optimizer_in_a_gradient_hook(rank, world_size):
     the reduction, with overlap or without: refused."""
     model, _ = two_models()
     body, head = body_and_head(model)
-    head_opt = torch.optim.Adam(head, lr=1e-2)
+    head_opt = OPTIMIZERS["adam_no_decay"](head)
     model, body_opt = commsched.prepare(model, body_optimizer(body), commsched.Strategy(overlap_forward=False))
     model.head.weight.register_post_accumulate_grad_hook(lambda p: head_opt.step())
     x, y = next(batches(world_size))
@@ -269,27 +273,8 @@ class LowPrecisionNet(nn.Module):
         return self.head(self.body(x))
 
 
-LOW_PRECISION_OPTIMIZERS = {
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-4),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
-}
-
-
-def averaged_as_all_reduce(model, x, y, world_size):
-    """Single process, the concatenated batch: each rank's gradient computed as that rank
-    computes it, then averaged as the all-reduce averages (divided by the world size, then
-    summed in the parameters' dtype), so that the update alone is compared."""
-    shares = []
-    for r in range(world_size):
-        model.zero_grad(set_to_none=True)
-        F.mse_loss(model(x[rank_slice(r)]), y[rank_slice(r)]).backward()
-        shares.append([p.grad / world_size for p in model.parameters()])
-    for index, param in enumerate(model.parameters()):
-        total = shares[0][index]
-        for share in shares[1:]:
-            total = total + share[index]
-        param.grad = total
+LOW_PRECISION_OPTIMIZERS = ("sgd_momentum", "adam_eps_1e-4", "adamw_eps_1e-4")
+"""By their names in `commsched.testing.OPTIMIZERS`: Adam's eps at 1e-4, which bfloat16 and float16 hold."""
 
 
 def case_low_precision_matches_torch_optim(rank, world_size, dtype, optimizer_name):
@@ -297,27 +282,35 @@ def case_low_precision_matches_torch_optim(rank, world_size, dtype, optimizer_na
     parameters are torch.optim's on the same dtype, bit for bit."""
     torch.manual_seed(0)
     model = LowPrecisionNet(dtype)
-    reference = copy.deepcopy(model)
-    make = LOW_PRECISION_OPTIMIZERS[optimizer_name]
+    make = OPTIMIZERS[optimizer_name]
+    reference, reference_optimizer = reference_copy(model, make)
     model, optimizer = commsched.prepare(model, make(model.parameters()))
-    reference_optimizer = make(reference.parameters())
     for x, y in batches(world_size, ITERATIONS):
         x, y = x.to(dtype), y.to(dtype)
         F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        averaged_as_all_reduce(reference, x, y, world_size)
+        # Gradients averaged as the all-reduce averages them, so that the update alone is compared.
+        one_process_gradients_as_all_reduce(
+            reference, lambda r, x=x, y=y: F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]), world_size)
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
     model.state_dict()  # waits for the last updates
+    compared = 0
     for (name, a), (_, e) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert a.dtype == dtype
         assert torch.equal(a, e), f"'{name}' differs from torch.optim by up to {(a - e).abs().max().item():.3g}"
+        compared += 1
+    assert compared > 0
     state, reference_state = optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
+    assert reference_state.keys() == state.keys() and reference_state, "no optimizer state to compare"
+    compared = 0
     for index, entries in reference_state.items():
         for key, value in entries.items():
             assert torch.equal(state[index][key], value), f"state[{index}][{key!r}] differs"
+            compared += 1
+    assert compared > 0, "the optimizer state holds nothing to compare"
 
 
 def optimizers_grid(rank: int, world_size: int) -> None:
@@ -351,5 +344,6 @@ def optimizers_grid(rank: int, world_size: int) -> None:
     run_subtests(cases)
 
 
-def test_optimizers_grid(ranks):
-    ranks(optimizers_grid, 2, timeout_s=300)
+@in_shared_ranks(optimizers_grid, 2, timeout_s=300)
+def test_optimizers_grid(shared_ranks):
+    shared_ranks.result()

@@ -9,7 +9,6 @@ and of its optimizer state. Every case checks that it did.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import weakref
@@ -22,20 +21,25 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout import grad_layout as layout_module
 from commsched.planning import calibration as planning
-from commsched.testing import run_ranks, run_subtests
-from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing import (
+    OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
+    reference_copy,
+    run_subtests,
+)
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import (
     batches,
     case_no_sync_accumulation,
     local_step,
     rank_slice,
     reference_step,
+    share_loss,
 )
-from tests.distributed.test_scheduling import OPTIMIZERS as PARITY_OPTIMIZERS
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
-from tests.distributed.test_training_loops import LOOPS, OPTIMIZERS, CheckpointedNet, train
+from tests.distributed.test_scheduling import SCHEDULING_OPTIMIZERS, TINY_CREDIT_MB, TINY_PARTITION_MB
+from tests.distributed.test_training_loops import LOOPS, CheckpointedNet, train
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -52,18 +56,18 @@ def assert_relaid_out(model: torch.nn.Module, rank: int) -> None:
     assert sum(b.partitions for b in status.buckets) == status.partitions
 
 
-def case_loop(rank, world_size, loop, optimizer="sgd", reentrant=None, checkpointed="middle", strategy=TINY):
+def case_loop(rank, world_size, loop, optimizer="sgd_momentum", reentrant=None, checkpointed="middle",
+              strategy=TINY):
     """A training loop of test_training_loops across the change, against one process."""
     torch.manual_seed(0)
     model = CheckpointedNet(reentrant, checkpointed)
-    reference = copy.deepcopy(model)
-    optimizer_ = OPTIMIZERS[optimizer](model.parameters())
-    reference_optimizer = OPTIMIZERS[optimizer](reference.parameters())
-    model, optimizer_ = commsched.prepare(model, optimizer_, strategy)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer])
+    model, optimizer_ = commsched.prepare(model, OPTIMIZERS[optimizer](model.parameters()), strategy)
     got = train(model, optimizer_, loop, world_size, rank)
     assert_relaid_out(model, rank)
     commsched.release(model)
     want = train(reference, reference_optimizer, loop, world_size, None)
+    assert want.keys() == got.keys() and want, "nothing to compare"
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -72,10 +76,8 @@ def case_unused_parameters(rank, world_size, optimizer_name, strategy, set_to_no
     """ParityNet (two dtypes, parameters unused on some ranks, one never used) across the change."""
     torch.manual_seed(0)
     model = ParityNet()
-    reference = copy.deepcopy(model)
-    optimizer = PARITY_OPTIMIZERS[optimizer_name](model.parameters())
-    reference_optimizer = PARITY_OPTIMIZERS[optimizer_name](reference.parameters())
-    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     partitions_in_warmup = None
     for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 4)):
         local_step(model, optimizer, x, y, iteration, rank, set_to_none)
@@ -92,6 +94,16 @@ def case_accumulation_across_the_change(rank, world_size, micro_steps=2):
     """Gradients accumulated under no_sync in the old buckets move into the new ones."""
     model = case_no_sync_accumulation(rank, world_size, micro_steps, steps=WARMUP_ITERATIONS + 2, strategy=TINY)
     assert_relaid_out(model, rank)
+
+
+def flat_buffers_of_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The flat buffers the model's gradients are views into, each once (``.grad._base``: what a view was cut from)."""
+    flats: dict[int, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            assert param.grad._base is not None, f"the gradient of '{name}' is not a view into a bucket"
+            flats.setdefault(id(param.grad._base), param.grad._base)
+    return list(flats.values())
 
 
 def case_old_buckets_go_before_new_ones(rank, world_size):
@@ -113,9 +125,17 @@ def case_old_buckets_go_before_new_ones(rank, world_size):
     try:
         for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 2)):
             if iteration == WARMUP_ITERATIONS:  # the change comes at this backward pass's first gradient
-                old_flats = [weakref.ref(bucket.flat) for bucket in model._commsched_reducer.layout.buckets]
                 layout_module.Bucket = WatchedBucket
-            local_step(model, optimizer, x, y, iteration, rank, set_to_none=True)
+            if iteration != WARMUP_ITERATIONS - 1:
+                local_step(model, optimizer, x, y, iteration, rank, set_to_none=True)
+                continue
+            # The last iteration of warm-up: after its step(), its gradients are views into the flat
+            # buffers of the buckets the change replaces (every bucket holds a used parameter).
+            share_loss(model, x, y, iteration)(rank).backward()
+            optimizer.step()
+            old_flats = [weakref.ref(flat) for flat in flat_buffers_of_gradients(model)]
+            assert len(old_flats) == len(commsched.status(model).buckets), (len(old_flats), commsched.status(model))
+            optimizer.zero_grad(set_to_none=True)
     finally:
         layout_module.Bucket = original
     assert_relaid_out(model, rank)
@@ -161,12 +181,12 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
         for checkpointed in ("middle", "last"):
             kind = "reentrant" if reentrant else "non_reentrant"
             cases[f"{kind} checkpoint of {checkpointed}"] = functools.partial(
-                case_loop, rank, world_size, "plain", "sgd", reentrant, checkpointed)
+                case_loop, rank, world_size, "plain", "sgd_momentum", reentrant, checkpointed)
     cases["penalty before forward with reentrant checkpoints"] = functools.partial(
-        case_loop, rank, world_size, "penalty_before_forward", "sgd", True, "middle")
+        case_loop, rank, world_size, "penalty_before_forward", "sgd_momentum", True, "middle")
     cases["adam, no forward overlap"] = functools.partial(
         case_loop, rank, world_size, "plain", "adam", strategy=dataclasses.replace(TINY, overlap_forward=False))
-    for optimizer_name in PARITY_OPTIMIZERS:
+    for optimizer_name in SCHEDULING_OPTIMIZERS:
         for set_to_none in (True, False):
             cases[f"unused parameters, {optimizer_name}, set_to_none={set_to_none}"] = functools.partial(
                 case_unused_parameters, rank, world_size, optimizer_name, TINY, set_to_none)
@@ -178,8 +198,9 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
     run_subtests(cases)
 
 
-def test_training_is_exact_across_the_cost_models_change():
-    run_ranks(cases_across_the_change, 2, timeout_s=400)
+@in_shared_ranks(cases_across_the_change, 2, timeout_s=400)
+def test_training_is_exact_across_the_cost_models_change(shared_ranks):
+    shared_ranks.result()
 
 
 def keeps_configured(rank: int, world_size: int) -> str:
@@ -196,6 +217,9 @@ def keeps_configured(rank: int, world_size: int) -> str:
     return status.partitioning
 
 
-def test_adaptive_off_keeps_the_configured_partitions():
-    for text in run_ranks(keeps_configured, 2, timeout_s=120):
+@in_shared_ranks(keeps_configured, 2, timeout_s=120)
+def test_adaptive_off_keeps_the_configured_partitions(shared_ranks):
+    texts = shared_ranks.result()
+    assert len(texts) == 2
+    for text in texts:
         assert text.startswith("as configured"), text

@@ -18,7 +18,7 @@ failing example is printed whole, and rerunning it costs one spawn).
 from __future__ import annotations
 
 import collections
-import copy
+import functools
 import math
 import traceback
 from dataclasses import asdict, dataclass
@@ -34,7 +34,13 @@ from torch import nn
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.strategy import MAX_SIZE_MB, MIN_BUCKET_MB, MIN_PARTITION_MB
-from tests.distributed.test_allreduce_parity import assert_equal_on_all_ranks, assert_same_parameters
+from commsched.testing import (
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    one_process_backward,
+    reference_copy,
+)
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -269,8 +275,10 @@ class RandomNet(nn.Module):
         return self.head(self.to_head(h)) + self.gain
 
 
-def make_optimizer(spec: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad or not spec.trainable_only] or list(model.parameters())
+def make_optimizer(spec: OptimizerSpec, parameters) -> torch.optim.Optimizer:
+    """The drawn optimizer over ``parameters`` (a model's), or over those that train."""
+    parameters = list(parameters)
+    params = [p for p in parameters if p.requires_grad or not spec.trainable_only] or parameters
     if spec.name == "adam":
         return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
     if spec.name == "adamw":
@@ -306,8 +314,8 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
     spec = case.model
     torch.manual_seed(case.seed)
     model = RandomNet(spec)
-    reference = copy.deepcopy(model)
-    optimizer, reference_optimizer = make_optimizer(case.optimizer, model), make_optimizer(case.optimizer, reference)
+    reference, reference_optimizer = reference_copy(model, functools.partial(make_optimizer, case.optimizer))
+    optimizer = make_optimizer(case.optimizer, model.parameters())
     if not any(p.requires_grad for p in model.parameters()):
         with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
             commsched.prepare(model, optimizer, strategy)
@@ -320,13 +328,12 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
         clip(model, case.loop)
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.loop.set_to_none)
-        loss = sum(
-            F.mse_loss(reference(x[r * spec.per_rank_batch:(r + 1) * spec.per_rank_batch],
-                                 tokens[r * spec.per_rank_batch:(r + 1) * spec.per_rank_batch], used[r]),
-                       y[r * spec.per_rank_batch:(r + 1) * spec.per_rank_batch])
-            for r in range(world_size)
-        ) / world_size
-        loss.backward()
+
+        def loss_of_share(r, x=x, tokens=tokens, y=y, used=used):
+            share = slice(r * spec.per_rank_batch, (r + 1) * spec.per_rank_batch)
+            return F.mse_loss(reference(x[share], tokens[share], used[r]), y[share])
+
+        one_process_backward(loss_of_share, world_size)
         clip(reference, case.loop)
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=case.loop.set_to_none)
@@ -387,9 +394,11 @@ def properties(rank: int, world_size: int, max_examples: int) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("world_size, max_examples", [(2, 30), (3, 12)])
-def test_random_models_and_strategies(ranks, world_size, max_examples):
-    paths = ranks(properties, world_size, max_examples, timeout_s=300)
+@pytest.mark.parametrize("world_size, max_examples", [
+    pytest.param(world_size, max_examples, marks=in_shared_ranks(properties, world_size, max_examples, timeout_s=300))
+    for world_size, max_examples in [(2, 30), (3, 12)]])
+def test_random_models_and_strategies(shared_ranks, world_size, max_examples):
+    paths = shared_ranks.result()
     assert all(p == paths[0] for p in paths), f"the ranks took different paths: {paths}"
     taken = collections.Counter(paths[0])
     assert taken["trained, overlapping"] and taken["trained, synchronous"], f"paths taken: {taken}"

@@ -20,10 +20,10 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
 from commsched.api import ServingFinished
-from commsched.testing import run_subtests
+from commsched.testing import OPTIMIZERS, one_process_backward, reference_copy, run_subtests
 from commsched.testing.models import BatchNormNet
 from tests.distributed.test_allreduce_parity import (
-    OPTIMIZERS,
+    PARITY_OPTIMIZERS,
     batches,
     fresh_pair,
     local_step,
@@ -32,6 +32,7 @@ from tests.distributed.test_allreduce_parity import (
     reference_step,
     uses_aux,
 )
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -71,8 +72,11 @@ def finish(model) -> None:
 
 def assert_close_parameters(model, reference, rtol=1e-4, atol=1e-5):
     model.state_dict()  # waits for pending pulls under forward overlap
+    compared = 0
     for (name, a), (_, e) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"parameter '{name}': {m}")
+        compared += 1
+    assert compared > 0
 
 
 def case_matches_single_process(rank, world_size, servers, optimizer_name, strategy_name, set_to_none):
@@ -96,7 +100,7 @@ def case_param_groups_and_lr_schedule(rank, world_size, servers):
     """Two param groups with their own LR, a scheduler stepping every iteration."""
     workers = world_size - servers
     torch.manual_seed(0)
-    model, reference = fresh_pair("sgd")[0::2]
+    model, reference = fresh_pair("sgd_dampening")[0::2]
 
     def build(m):
         decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
@@ -178,6 +182,7 @@ def case_checkpoint_resumes_exactly(rank, world_size, servers):
         reference_optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         for iteration, (x, y) in data[4:]:
             reference_step(reference, reference_optimizer, x, y, iteration, workers)
+        assert straight
         for a, e in zip(straight, reference.parameters(), strict=True):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
         # Resume on the servers: load, train the same batches again, same result.
@@ -185,7 +190,7 @@ def case_checkpoint_resumes_exactly(rank, world_size, servers):
         optimizer.load_state_dict(copy.deepcopy(optimizer_state))
         _train(model, optimizer, rank, workers, data[4:])
         model.state_dict()
-        for a, e in zip(model.parameters(), straight, strict=True):
+        for a, e in zip(model.parameters(), straight, strict=True):  # straight: not empty (checked above)
             torch.testing.assert_close(a, e, rtol=0, atol=0)
     finally:
         finish(model)
@@ -201,9 +206,8 @@ def case_buffers_stay_on_workers(rank, world_size, servers):
     workers = world_size - servers
     torch.manual_seed(0)
     model = BatchNormNet()
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS["sgd_momentum_lr_0.1"])
+    optimizer = OPTIMIZERS["sgd_momentum_lr_0.1"](model.parameters())
     if prepare_or_serve(model, optimizer, servers) is None:
         return
     try:
@@ -214,10 +218,15 @@ def case_buffers_stay_on_workers(rank, world_size, servers):
             F.cross_entropy(model(xs[rank]), target).backward()
             optimizer.step()
             optimizer.zero_grad()
-            loss = F.cross_entropy(reference(xs[0]), target)
-            rank0_buffers = copy.deepcopy(dict(reference.named_buffers()))
-            loss = (loss + sum(F.cross_entropy(reference(x), target) for x in xs[1:])) / workers
-            loss.backward()
+            rank0_buffers = {}
+
+            def loss_of_share(r, xs=xs):
+                loss = F.cross_entropy(reference(xs[r]), target)
+                if r == 0:  # the statistics of rank 0's micro-batch, which the workers broadcast
+                    rank0_buffers.update(copy.deepcopy(dict(reference.named_buffers())))
+                return loss
+
+            one_process_backward(loss_of_share, workers)
             reference_optimizer.step()
             reference_optimizer.zero_grad()
             for name, buffer in reference.named_buffers():
@@ -225,9 +234,12 @@ def case_buffers_stay_on_workers(rank, world_size, servers):
         model.eval()
         with torch.enable_grad():
             model(xs[0])  # broadcasts rank 0's buffers
+        compared = 0
         for name, buffer in model.named_buffers():
             expected = dict(reference.named_buffers())[name]
             torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"buffer '{name}': {m}")
+            compared += 1
+        assert compared > 0, "BatchNormNet has buffers: none was compared"
         assert_close_parameters(model, reference)
         parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         assert sum(commsched.status(model).server_bytes) == parameter_bytes  # no buffer went to a server
@@ -284,14 +296,14 @@ def case_misuse_gives_clear_errors(rank, world_size, servers):
     x, y = next(batches(workers))
     for misuse in (_misuse_clip, _misuse_grad_scaler, _misuse_lr_change, _misuse_backward_twice, _misuse_zero_grad_before_step,
                    _misuse_step_twice_on_gradients):
-        model, optimizer, _, _ = fresh_pair("sgd")
+        model, optimizer, _, _ = fresh_pair("sgd_dampening")
         if prepare_or_serve(model, optimizer, servers) is None:
             continue
         try:
             misuse(model, optimizer, x, y, rank)
         finally:
             finish(model)
-    model = fresh_pair("sgd")[0]  # every rank, servers too: the check's failure reaches them all
+    model = fresh_pair("sgd_dampening")[0]  # every rank, servers too: the check's failure reaches them all
     with pytest.raises(ValueError, match=r"supports torch.optim.SGD, Adam and AdamW only"):
         commsched.prepare(model, torch.optim.RMSprop(model.parameters()),
                           commsched.Strategy(backend=commsched.ParameterServer(num_servers=servers)))
@@ -301,10 +313,10 @@ def case_entry_points(rank, world_size, servers):
     """serve() on a worker is refused on every rank; prepare() on a server still serves, with a
     DeprecationWarning, and ends with ServingFinished (code 0)."""
     strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=servers))
-    model, optimizer, _, _ = fresh_pair("sgd")
+    model, optimizer, _, _ = fresh_pair("sgd_dampening")
     with pytest.raises(ValueError, match=r"commsched.serve\(\) was called on rank 0, a worker"):
         commsched.serve(model, optimizer, strategy)
-    model, optimizer, _, _ = fresh_pair("sgd")
+    model, optimizer, _, _ = fresh_pair("sgd_dampening")
     if not commsched.is_server_rank(servers):
         model, optimizer = commsched.prepare(model, optimizer, strategy)
         x, y = next(batches(world_size - servers))
@@ -395,7 +407,7 @@ def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
 
     workers = world_size - servers
     with tempfile.TemporaryDirectory(prefix="commsched-ps-trace-") as directory:
-        model, optimizer, _, _ = fresh_pair("sgd")
+        model, optimizer, _, _ = fresh_pair("sgd_dampening")
         if prepare_or_serve(model, optimizer, servers, partition_mb=0.0005, trace_dir=directory) is None:
             return
         try:
@@ -412,7 +424,7 @@ def case_trace_shows_layout_and_round_trips(rank, world_size, servers):
 
 def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
     cases = {}
-    for index, (optimizer_name, strategy_name) in enumerate(itertools.product(OPTIMIZERS, PS_STRATEGIES)):
+    for index, (optimizer_name, strategy_name) in enumerate(itertools.product(PARITY_OPTIMIZERS, PS_STRATEGIES)):
         set_to_none = index % 2 == 0
         cases[f"single_process/{optimizer_name}/{strategy_name}/set_to_none={set_to_none}"] = functools.partial(
             case_matches_single_process, rank, world_size, servers, optimizer_name, strategy_name, set_to_none)
@@ -432,8 +444,9 @@ def ps_grid(rank: int, world_size: int, servers: int, extended: bool) -> None:
     run_subtests(cases)
 
 
-@pytest.mark.parametrize(
-    ("workers", "servers", "extended"), [(2, 1, False), (3, 1, True), (2, 2, True), (3, 2, False)]
-)
-def test_ps_grid(ranks, workers, servers, extended):
-    ranks(ps_grid, workers + servers, servers, extended, timeout_s=400)
+@pytest.mark.parametrize(("workers", "servers", "extended"), [
+    pytest.param(workers, servers, extended,
+                 marks=in_shared_ranks(ps_grid, workers + servers, servers, extended, timeout_s=400))
+    for workers, servers, extended in [(2, 1, False), (3, 1, True), (2, 2, True), (3, 2, False)]])
+def test_ps_grid(shared_ranks, workers, servers, extended):
+    shared_ranks.result()

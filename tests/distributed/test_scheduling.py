@@ -17,16 +17,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
-from commsched.testing import run_subtests
-from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing import (
+    OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
-    batches,
-    rank_slice,
-    reference_step,
-    uses_aux,
+    one_process_step,
+    reference_copy,
+    run_subtests,
 )
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import batches, rank_slice, reference_step, uses_aux
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -34,11 +35,8 @@ ITERATIONS = WARMUP_ITERATIONS + 4  # several iterations with the plan and with 
 TINY_PARTITION_MB = 256 / 2**20     # cuts ParityNet's tensors into many partitions
 TINY_CREDIT_MB = 512 / 2**20
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-}
+SCHEDULING_OPTIMIZERS = ("sgd_nesterov", "adam", "adamw")
+"""The optimizers of the scheduling grid, by their names in `commsched.testing.OPTIMIZERS`."""
 
 
 def strategy_grid():
@@ -58,10 +56,8 @@ def strategy_grid():
 def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITERATIONS, delays=None, device="cpu"):
     torch.manual_seed(0)
     model = ParityNet().to(device)
-    reference = copy.deepcopy(model)
-    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
-    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
     for iteration, (x, y) in enumerate(batches(world_size, iterations)):
         x, y = x.to(device), y.to(device)
         mine = rank_slice(rank)
@@ -78,16 +74,18 @@ def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITE
 
 def scheduling_grid(rank: int, world_size: int, device: str = "cpu") -> None:
     cases = {}
-    for (name, strategy), optimizer_name in itertools.product(strategy_grid(), OPTIMIZERS):
+    for (name, strategy), optimizer_name in itertools.product(strategy_grid(), SCHEDULING_OPTIMIZERS):
         cases[f"{optimizer_name}/{name}"] = functools.partial(
             train_and_compare, rank, world_size, optimizer_name, strategy, device=device
         )
     run_subtests(cases)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_combination_matches_single_process(ranks, world_size):
-    ranks(scheduling_grid, world_size, timeout_s=400)
+@pytest.mark.parametrize("world_size", [
+    pytest.param(world_size, marks=in_shared_ranks(scheduling_grid, world_size, timeout_s=400))
+    for world_size in (2, 3)])
+def test_every_combination_matches_single_process(shared_ranks, world_size):
+    shared_ranks.result()
 
 
 def random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
@@ -133,17 +131,18 @@ def random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
         commsched.prepare = original_prepare
 
 
-def test_random_delays_on_four_ranks_no_hang_exact_results(ranks):
-    ranks(random_delays, 4, timeout_s=400)
+@in_shared_ranks(random_delays, 4, timeout_s=400)
+def test_random_delays_on_four_ranks_no_hang_exact_results(shared_ranks):
+    shared_ranks.result()
 
 
 # ---------------------------------------------------------------- one spawn, many behaviours
 def prepared_pair(optimizer_factory, strategy=None, model_cls=ParityNet):
     torch.manual_seed(0)
     model = model_cls()
-    reference = copy.deepcopy(model)
+    reference, reference_optimizer = reference_copy(model, optimizer_factory)
     model, optimizer = commsched.prepare(model, optimizer_factory(model.parameters()), strategy)
-    return model, optimizer, reference, optimizer_factory(reference.parameters())
+    return model, optimizer, reference, reference_optimizer
 
 
 def run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer, iterations=ITERATIONS):
@@ -156,7 +155,7 @@ def run_until_overlap(rank, world_size, model, optimizer, reference, reference_o
 
 
 def case_lr_scheduler(rank, world_size):
-    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"])
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd_nesterov"])
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (optimizer, reference_optimizer)]
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
         F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
@@ -177,7 +176,7 @@ def case_checkpoint_moves_to_plain_torch_and_back(rank, world_size):
     plain_optimizer = OPTIMIZERS["adamw"](plain_model.parameters())
     plain_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     plain_state, reference_state = plain_optimizer.state_dict()["state"], reference_optimizer.state_dict()["state"]
-    assert plain_state.keys() == reference_state.keys()
+    assert plain_state.keys() == reference_state.keys() and reference_state, "no optimizer state to compare"
     for index in reference_state:
         torch.testing.assert_close(plain_state[index]["exp_avg"], reference_state[index]["exp_avg"], rtol=1e-4, atol=1e-6)
     # and back: a fresh commsched run resumes from plain torch's checkpoint
@@ -202,7 +201,7 @@ def buckets_holding(model, prefix: str) -> set[int]:
 
 def case_gates_wait_only_for_their_own_module(rank, world_size):
     one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
-    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], one_bucket_per_module)
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd_nesterov"], one_bucket_per_module)
     run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
     assert not buckets_holding(model, "embed.") & buckets_holding(model, "head.")
     x, y = next(batches(world_size, 1))
@@ -249,14 +248,13 @@ def train_beside_one_process(rank, world_size, model, optimizer, reference, refe
         F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        loss = sum(F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]) for r in range(world_size)) / world_size
-        loss.backward()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        one_process_step(reference_optimizer, lambda r: F.mse_loss(reference(x[rank_slice(r)]), y[rank_slice(r)]),
+                         world_size)
 
 
 def case_parameter_used_before_its_module(rank, world_size):
-    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"], model_cls=UsesChildWeightEarly)
+    model, optimizer, reference, reference_optimizer = prepared_pair(
+        OPTIMIZERS["sgd_nesterov"], model_cls=UsesChildWeightEarly)
     train_beside_one_process(rank, world_size, model, optimizer, reference, reference_optimizer)
     assert commsched.status(model).overlapping
     assert_same_parameters(model, reference)
@@ -283,7 +281,7 @@ def case_attention_waits_for_out_proj_itself(rank, world_size):
     # SGD: the key projection's bias gets gradients that are zero but for rounding, which Adam
     # would scale up to whole steps of either sign.
     model, optimizer, reference, reference_optimizer = prepared_pair(
-        OPTIMIZERS["sgd"], one_bucket_per_module, model_cls=TinyTransformer)
+        OPTIMIZERS["sgd_nesterov"], one_bucket_per_module, model_cls=TinyTransformer)
     run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
     assert_same_parameters(model, reference)
     x, y = next(batches(world_size, 1))
@@ -318,7 +316,7 @@ def case_control_flow_that_changes_in_warmup_is_gated_at_the_start(rank, world_s
     """A parameter a warm-up pass reads before its gates is waited for at the forward start, and trains exactly."""
     one_bucket_per_module = commsched.Strategy(bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
     model, optimizer, reference, reference_optimizer = prepared_pair(
-        OPTIMIZERS["sgd"], one_bucket_per_module, model_cls=ReadsLateEarlyLater)
+        OPTIMIZERS["sgd_nesterov"], one_bucket_per_module, model_cls=ReadsLateEarlyLater)
 
     def from_the_second_on_read_late_first(iteration):
         model.read_late_first = reference.read_late_first = iteration > 0
@@ -362,6 +360,7 @@ def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
     ours, ours_optimizer = commsched.prepare(ours, make_optimizer(ours))
     our_losses, our_snapshot = train(ours, ours_optimizer)
     assert our_losses == pytest.approx(ddp_losses, rel=1e-4, abs=1e-6)
+    assert ddp_snapshot.keys() == our_snapshot.keys() and ddp_snapshot, "no state to compare"
     for key, value in ddp_snapshot.items():
         torch.testing.assert_close(our_snapshot[key], value, rtol=1e-4, atol=1e-5)
     status = commsched.status(ours)
@@ -371,7 +370,7 @@ def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
 
 
 def case_gradient_change_during_overlap_is_an_error(rank, world_size):
-    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd"])
+    model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["sgd_nesterov"])
     run_until_overlap(rank, world_size, model, optimizer, reference, reference_optimizer)
     x, y = next(batches(world_size, 1))
     F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
@@ -385,11 +384,8 @@ def case_gradient_change_during_overlap_is_an_error(rank, world_size):
 
 
 def case_unsupported_optimizer_still_trains(rank, world_size):
-    def rmsprop(params):
-        return torch.optim.RMSprop(params, lr=1e-2, momentum=0.5)
-
     with collected_logs() as records:
-        model, optimizer, reference, reference_optimizer = prepared_pair(rmsprop)
+        model, optimizer, reference, reference_optimizer = prepared_pair(OPTIMIZERS["rmsprop_momentum"])
     assert any("RMSprop has no per-bucket update" in r.getMessage() for r in records)
     for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
         F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
@@ -443,7 +439,7 @@ def case_status_follows_the_lifecycle(rank, world_size):
     model = ParityNet()
     with pytest.raises(ValueError, match=r"status\(\) takes a model returned by commsched.prepare\(\)"):
         commsched.status(model)
-    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd"](model.parameters()))
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["sgd_nesterov"](model.parameters()))
     status = commsched.status(model)
     assert status.lifecycle is commsched.Lifecycle.RECORDING and not status.buckets and status.iterations == 0
     assert status.transport == f"all-reduce over {world_size} ranks (gloo)"
@@ -467,7 +463,7 @@ def case_status_follows_the_lifecycle(rank, world_size):
     assert "overlapping" in text and "forward overlap: on" in text and f"iteration {ITERATIONS - 1}" in text
     optimizer.synchronize()
     synchronous = commsched.Strategy(overlap_forward=False)
-    model, optimizer, _, _ = prepared_pair(OPTIMIZERS["sgd"], synchronous)
+    model, optimizer, _, _ = prepared_pair(OPTIMIZERS["sgd_nesterov"], synchronous)
     for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + 1)):
         F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)]).backward()
         optimizer.step()
@@ -523,8 +519,11 @@ def case_release_then_train_locally(rank, world_size):
             F.mse_loss(m(x), y).backward()
             o.step()
             o.zero_grad()
+    compared = 0
     for (name, a), (_, e) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"parameter '{name}': {m}")
+        compared += 1
+    assert compared > 0
 
 
 def behaviours(rank: int, world_size: int) -> None:
@@ -548,5 +547,6 @@ def behaviours(rank: int, world_size: int) -> None:
     })
 
 
-def test_scheduling_behaviours(ranks):
-    ranks(behaviours, 2, timeout_s=300)
+@in_shared_ranks(behaviours, 2, timeout_s=300)
+def test_scheduling_behaviours(shared_ranks):
+    shared_ranks.result()

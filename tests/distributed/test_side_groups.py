@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 from commsched.comm import side_groups as control
+from commsched.testing import OPTIMIZERS
 from commsched.testing.models import BatchNormNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -30,8 +32,8 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     base = BatchNormNet()
     ddp = DistributedDataParallel(copy.deepcopy(base), process_group=pair)
-    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = commsched.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9),
+    ddp_optimizer = OPTIMIZERS["sgd_momentum_lr_0.1"](ddp.parameters())
+    model, optimizer = commsched.prepare(base, OPTIMIZERS["sgd_momentum_lr_0.1"](base.parameters()),
                                          process_group=pair)
     buffer_group = commsched.status(model).process_groups.buffers
     # The forward pass's buffer broadcast must not wait behind gradients still in flight.
@@ -47,10 +49,14 @@ def train_on_two_of_three(rank: int, world_size: int) -> str:
             o.zero_grad()
     optimizer.synchronize()
     assert commsched.status(model).lifecycle.name == "OVERLAPPING", "the case must run with forward overlap"
+    parameters = buffers = 0
     for (name, a), (_, e) in zip(model.named_parameters(), ddp.module.named_parameters(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"parameter '{name}': {m}")
+        parameters += 1
     for (name, a), (_, e) in zip(model.named_buffers(), ddp.module.named_buffers(), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"buffer '{name}': {m}")
+        buffers += 1
+    assert parameters > 0 and buffers > 0, (parameters, buffers)
     commsched.release(model)
     # A second model on the same sub-group (torch names a locally synchronised group by its
     # ranks alone, so making another one would wait forever): it shares the buffer group.
@@ -111,7 +117,8 @@ def side_group_cases(rank: int, world_size: int) -> tuple[str, str, str]:
             two_models_on_a_group_without_cpu_backend(rank, world_size))
 
 
-def test_side_groups_on_a_sub_group_and_on_the_default_group(ranks):
+@in_shared_ranks(side_group_cases, 3, timeout_s=240)
+def test_side_groups_on_a_sub_group_and_on_the_default_group(shared_ranks):
     """A sub-group trains exactly with its own side group; models on one group share it."""
-    assert ranks(side_group_cases, 3, timeout_s=240) == [("trained", "trained", "prepared")] * 2 + [
+    assert shared_ranks.result() == [("trained", "trained", "prepared")] * 2 + [
         ("outside", "trained", "prepared")]

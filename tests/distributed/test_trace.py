@@ -13,6 +13,7 @@ import commsched
 from commsched.bench.trace_report import report
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing.models import ParityNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 ITERATIONS = WARMUP_ITERATIONS + 3
@@ -34,8 +35,10 @@ def train_traced(rank: int, world_size: int, directory: str) -> int:
     return partitions
 
 
-def test_trace_files_spans_and_report(ranks, tmp_path):
-    partitions = ranks(train_traced, 2, str(tmp_path), timeout_s=180)[0]
+@in_shared_ranks(train_traced, 2, timeout_s=180, tmp_dir=True)
+def test_trace_files_spans_and_report(shared_ranks):
+    tmp_path = shared_ranks.path
+    partitions = shared_ranks.result()[0]
     for rank in range(2):
         events = [e for e in json.loads((tmp_path / f"rank{rank}.json").read_text())["traceEvents"] if e["ph"] == "X"]
         # every partition is queued and on the wire in every iteration

@@ -9,8 +9,6 @@ overlap, and on parameter servers.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +16,9 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import commsched
-from commsched.testing import run_ranks, run_subtests
+from commsched.testing import OPTIMIZERS, one_process_loss, reference_copy, run_subtests
 from tests.distributed.test_ps import prepare_or_serve
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -78,12 +77,12 @@ def train(model, optimizer, loop: str, world_size: int, rank: int | None) -> dic
     for iteration in range(ITERATIONS):
         x = torch.randn(world_size * PER_RANK, 8, generator=generator)
         y = torch.randn(world_size * PER_RANK, 4, generator=generator)
-        if rank is None:
-            mine = [slice(r * PER_RANK, (r + 1) * PER_RANK) for r in range(world_size)]
-        else:
-            mine = [slice(rank * PER_RANK, (rank + 1) * PER_RANK)]
+
+        def loss_of_share(r: int, x=x, y=y) -> torch.Tensor:
+            return F.mse_loss(model(x[r * PER_RANK:(r + 1) * PER_RANK]), y[r * PER_RANK:(r + 1) * PER_RANK])
+
         penalty = norm_penalty(model) if loop == "penalty_before_forward" else 0.0
-        loss = sum(F.mse_loss(model(x[s]), y[s]) for s in mine) / len(mine)
+        loss = one_process_loss(loss_of_share, world_size) if rank is None else loss_of_share(rank)
         if loop == "penalty_after_forward":
             penalty = norm_penalty(model)
         (loss + penalty).backward()
@@ -114,32 +113,26 @@ def train(model, optimizer, loop: str, world_size: int, rank: int | None) -> dic
     return result
 
 
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
-}
-
-
-def compare(model, optimizer, world_size, rank, loop, prepare) -> None:
-    reference = copy.deepcopy(model)
-    reference_optimizer = type(optimizer)(reference.parameters(), **optimizer.defaults)
-    prepared = prepare(model, optimizer)
+def compare(model, make_optimizer, world_size, rank, loop, prepare) -> None:
+    reference, reference_optimizer = reference_copy(model, make_optimizer)
+    prepared = prepare(model, make_optimizer(model.parameters()))
     if prepared is None:
         return  # a parameter-server rank: it served until the workers finished
     model, optimizer = prepared
     got = train(model, optimizer, loop, world_size, rank)
-    if hasattr(model, "_commsched_reducer"):
-        commsched.release(model)
+    assert isinstance(model, commsched.CommschedModule), type(model)
+    commsched.release(model)
     want = train(reference, reference_optimizer, loop, world_size, None)
+    assert want.keys() == got.keys() and want, "nothing to compare"
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def case(world_size, rank, loop, optimizer="sgd", reentrant=None, checkpointed="middle", prepare=None):
+def case(world_size, rank, loop, optimizer="sgd_momentum", reentrant=None, checkpointed="middle", prepare=None):
     def run() -> None:
         torch.manual_seed(0)
         model = CheckpointedNet(reentrant, checkpointed)
-        compare(model, OPTIMIZERS[optimizer](model.parameters()), world_size, rank, loop, prepare)
+        compare(model, OPTIMIZERS[optimizer], world_size, rank, loop, prepare)
 
     return run
 
@@ -158,19 +151,20 @@ def loops_on_all_reduce(rank: int, world_size: int) -> None:
             for checkpointed in ("middle", "last"):
                 kind = "reentrant" if reentrant else "non_reentrant"
                 cases[f"{label} {kind} checkpoint of {checkpointed}"] = case(
-                    world_size, rank, "plain", "sgd", reentrant, checkpointed, prepare)
+                    world_size, rank, "plain", "sgd_momentum", reentrant, checkpointed, prepare)
         for loop in LOOPS[1:]:
-            cases[f"{label} {loop}"] = case(world_size, rank, loop, "sgd", prepare=prepare)
+            cases[f"{label} {loop}"] = case(world_size, rank, loop, "sgd_momentum", prepare=prepare)
     default = all_reduce(commsched.Strategy())
     for loop in ("step_without_backward", "step_twice", "zero_grad_before_step", "penalty_before_forward"):
         cases[f"adam {loop}"] = case(world_size, rank, loop, "adam", prepare=default)
     cases["penalty before forward with reentrant checkpoints"] = case(
-        world_size, rank, "penalty_before_forward", "sgd", True, "middle", default)
+        world_size, rank, "penalty_before_forward", "sgd_momentum", True, "middle", default)
     run_subtests(cases)
 
 
-def test_training_loops_on_all_reduce():
-    run_ranks(loops_on_all_reduce, 2, timeout_s=400)
+@in_shared_ranks(loops_on_all_reduce, 2, timeout_s=400)
+def test_training_loops_on_all_reduce(shared_ranks):
+    shared_ranks.result()
 
 
 def loops_on_parameter_servers(rank: int, world_size: int) -> None:
@@ -183,7 +177,7 @@ def loops_on_parameter_servers(rank: int, world_size: int) -> None:
     for reentrant in (True, False):
         for checkpointed in ("middle", "last"):
             cases[f"{'reentrant' if reentrant else 'non_reentrant'} checkpoint of {checkpointed}"] = case(
-                workers, rank, "plain", "sgd", reentrant, checkpointed, prepare)
+                workers, rank, "plain", "sgd_momentum", reentrant, checkpointed, prepare)
     # A step after zero_grad() between backward() and step(), or twice on the same gradients, is
     # refused there (tests/distributed/test_ps.py); clipping weights on a worker is not supported.
     for loop in ("step_without_backward", "penalty_before_forward", "penalty_after_forward", "ema_after_step"):
@@ -191,5 +185,6 @@ def loops_on_parameter_servers(rank: int, world_size: int) -> None:
     run_subtests(cases)
 
 
-def test_training_loops_on_parameter_servers():
-    run_ranks(loops_on_parameter_servers, 3, timeout_s=400)
+@in_shared_ranks(loops_on_parameter_servers, 3, timeout_s=400)
+def test_training_loops_on_parameter_servers(shared_ranks):
+    shared_ranks.result()

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commsched
-from commsched.testing import run_ranks, run_subtests
+from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
+from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +41,35 @@ def step(model, optimizer, use_aux=True):
     optimizer.zero_grad(set_to_none=True)
 
 
+def assert_gradients_are_bucket_views(model, used: list[str]) -> None:
+    """Each gradient of ``used`` is a view into its bucket's flat buffer (``commsched.status``'s buckets):
+    cut from one buffer per bucket (``.grad._base``), of the bucket's size, sharing its storage."""
+    params = dict(model.named_parameters())
+    buffers: list[torch.Tensor] = []
+    checked = []
+    for bucket in commsched.status(model).buckets:
+        mine = [name for name in bucket.parameters if name in used]
+        if not mine:
+            continue
+        flat = params[mine[0]].grad._base
+        assert flat is not None, f"the gradient of '{mine[0]}' is not a view into a bucket"
+        assert flat.numel() * flat.element_size() == bucket.nbytes, (mine[0], bucket)
+        assert all(flat is not other for other in buffers), f"bucket {bucket.index} shares a buffer with another"
+        buffers.append(flat)
+        start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+        spans = []
+        for name in mine:
+            grad = params[name].grad
+            assert grad._base is flat, f"the gradient of '{name}' is not a view into its bucket's buffer"
+            assert grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), name
+            spans.append((grad.data_ptr(), grad.data_ptr() + grad.numel() * grad.element_size(), name))
+            checked.append(name)
+        spans.sort()
+        assert start <= spans[0][0] and spans[-1][1] <= end, f"a gradient lies outside bucket {bucket.index}"
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"gradients overlap in bucket {bucket.index}"
+    assert sorted(checked) == sorted(used), (checked, used)
+
+
 def no_copy_per_gradient(strategy: commsched.Strategy) -> None:
     """After zero_grad(set_to_none=True), backward copies no gradient into a bucket."""
     model, optimizer = prepared(strategy)
@@ -49,9 +79,9 @@ def no_copy_per_gradient(strategy: commsched.Strategy) -> None:
     loss = F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4))
     with CountCopies() as counted:
         loss.backward()
-    views = model._commsched_reducer.layout.views
-    used = [p for name, p in model.named_parameters() if name.split(".")[0] != "never_used"]
-    assert all(any(p.grad is v for v in views) for p in used), "a gradient is not its bucket view"
+    used = [name for name, _ in model.named_parameters() if name.split(".")[0] != "never_used"]
+    assert used
+    assert_gradients_are_bucket_views(model, used)
     # The usage flags of the flags bucket are one copy; no gradient is.
     assert counted.copies <= 1, f"{counted.copies} copies in one backward pass"
 
@@ -77,7 +107,8 @@ def input_gradients_leave_grad_none() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     (grad_x,) = torch.autograd.grad(F.mse_loss(model(x), torch.randn(4, 4)), x)
     assert grad_x.shape == x.shape
-    assert all(p.grad is None for p in model.parameters()), "a view handed out stayed .grad"
+    params = list(model.parameters())
+    assert params and all(p.grad is None for p in params), "a view handed out stayed .grad"
     step(model, optimizer)  # and training goes on
 
 
@@ -90,5 +121,6 @@ def views_ahead_cases(rank: int, world_size: int) -> None:
     })
 
 
-def test_views_ahead():
-    run_ranks(views_ahead_cases, 2, timeout_s=180)
+@in_shared_ranks(views_ahead_cases, 2, timeout_s=180)
+def test_views_ahead(shared_ranks):
+    shared_ranks.result()

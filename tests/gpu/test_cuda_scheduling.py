@@ -39,7 +39,7 @@ def overlap_engages(rank: int, world_size: int, device: str) -> None:
     not take that for the user's write (see ``Bucket.wire``).
     """
     with collected_logs() as records:
-        model = train_and_compare(rank, world_size, "sgd", commsched.Strategy(), iterations=ITERATIONS + 4,
+        model = train_and_compare(rank, world_size, "sgd_nesterov", commsched.Strategy(), iterations=ITERATIONS + 4,
                                   device=device)
     warnings = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
     status = commsched.status(model)

@@ -134,7 +134,9 @@ def test_trials_measure_the_median_after_a_settling_iteration():
         return tuned(run)
 
     drive(run, 200, cost, until=note_switch)
-    for trial in run.log.studies[0]:
+    trials = run.log.studies[0]
+    assert trials, "no trial was measured"
+    for trial in trials:
         assert trial.median_s == pytest.approx(objective(trial.setting))
 
 
@@ -157,7 +159,6 @@ def test_decisions_are_deterministic_given_the_seed():
 
 def test_a_setting_is_never_measured_twice_in_one_search_but_the_finalists_once_more():
     run = drive(start_run(autotune_iterations=200), 2000, until=tuned)
-    strategy = Strategy()
     trials = run.log.studies[0]
     searched, confirmed = trials[:-CONFIRM_BEST], trials[-CONFIRM_BEST:]
     behaviours = [t.setting.behaviour() for t in searched]
@@ -265,7 +266,9 @@ def test_every_setting_of_the_space_is_a_valid_strategy_and_the_start_is_in_it(
     space = SearchSpace.around(gradient_bytes, start, overlap_allowed=overlap)
     assert space.setting(space.indices(start)) == start
     strategy = Strategy(autotune=True)
-    for setting in space.grid():
+    grid = list(space.grid())
+    assert grid, "an empty search space"
+    for setting in grid:
         assert LayoutSetting.of(setting.applied(strategy)) == setting
         assert setting.overlap_forward in (True, False) and (overlap or not setting.overlap_forward)
 

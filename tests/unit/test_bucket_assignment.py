@@ -86,6 +86,7 @@ def test_assignment_properties(specs, limits):
     flat = sorted(i for bucket in buckets for i in bucket)
     assert flat == list(range(len(tensors)))
     assert all(buckets)
+    assert (len(buckets) > 0) == (len(tensors) > 0), (buckets, specs)
     # One dtype per bucket, indices ascending inside, buckets ordered by smallest index.
     for bucket in buckets:
         assert len({tensors[i].dtype for i in bucket}) == 1
@@ -94,8 +95,10 @@ def test_assignment_properties(specs, limits):
 
     # Replaying per dtype: the k-th bucket of a dtype is closed by limits[min(k, last)];
     # every bucket but the last of its dtype reached its limit, and only with its last tensor.
+    replayed = 0
     for dtype in DTYPES:
         of_dtype = sorted((b for b in buckets if tensors[b[0]].dtype == dtype), key=min)
+        replayed += len(of_dtype)
         for k, bucket in enumerate(of_dtype):
             limit = limits[min(k, len(limits) - 1)]
             total = sum(size[i] for i in bucket)
@@ -107,3 +110,4 @@ def test_assignment_properties(specs, limits):
         # Buckets of one dtype hold consecutive runs of that dtype's tensors.
         indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         assert [i for b in of_dtype for i in b] == indices
+    assert replayed == len(buckets), "a bucket of a dtype outside DTYPES was not replayed"

@@ -49,7 +49,8 @@ def test_sizes_order_and_totals():
     model = three_linear()
     profile = profile_three_linear(model)
     assert [p.name for p in profile.parameters] == [n for n, _ in model.named_parameters()]
-    for p, (_, param) in zip(profile.parameters, model.named_parameters()):
+    assert profile.parameters, "no parameter profiled"
+    for p, (_, param) in zip(profile.parameters, model.named_parameters(), strict=True):
         assert (p.numel, p.element_size) == (param.numel(), 4)
     assert profile.gradient_bytes == 4 * sum(p.numel() for p in model.parameters())
     assert profile.model == "three" and profile.device == "cpu" and profile.batch_size == 8
@@ -127,9 +128,11 @@ def test_every_hook_is_removed_afterwards():
     model = ReadsAHeadInItsOwnForward()
     profile_model(model, lambda: (torch.randn(2, 3, 8, 8), torch.randint(4, (2,))),
                   lambda output, y: F.cross_entropy(output, y), iterations=1, warmup=0)
-    for module in model.modules():
+    modules, params = list(model.modules()), list(model.parameters())
+    assert modules and params
+    for module in modules:
         assert not module._forward_pre_hooks and not module._forward_hooks, module
-    for param in model.parameters():
+    for param in params:
         assert not param._post_accumulate_grad_hooks
 
 
@@ -168,9 +171,10 @@ def test_scaled_compute_scales_every_compute_time_and_nothing_else():
     faster = scaled_compute(profile, 0.5)
     assert faster.forward_s == profile.forward_s * 0.5 and faster.update_s == profile.update_s * 0.5
     assert faster.backward_s == profile.backward_s * 0.5
-    for a, b in zip(profile.parameters, faster.parameters):
+    assert profile.parameters and profile.modules, "nothing profiled: nothing to compare"
+    for a, b in zip(profile.parameters, faster.parameters, strict=True):
         assert (b.first_use_s, b.ready_s, b.numel) == (a.first_use_s * 0.5, a.ready_s * 0.5, a.numel)
-    for a, b in zip(profile.modules, faster.modules):
+    for a, b in zip(profile.modules, faster.modules, strict=True):
         assert (b.forward_s, b.backward_s) == (a.forward_s * 0.5, a.backward_s * 0.5)
     with pytest.raises(ValueError, match="compute scale must be a finite number > 0"):
         scaled_compute(profile, 0)

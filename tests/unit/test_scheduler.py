@@ -82,7 +82,7 @@ def test_without_credit_everything_ready_is_committed():
 def test_simulation_issues_each_partition_once_never_before_ready(numels, ready, credit, by_priority):
     partitions = make_partitions(numels, [4] * len(numels), list(range(len(numels)))[::-1], 256)
     schedule = simulate_schedule(partitions, ready[: len(numels)], LINK, credit, by_priority)
-    assert sorted(schedule.order) == list(range(len(partitions)))
+    assert partitions and sorted(schedule.order) == list(range(len(partitions)))
     for p in partitions:
         duration = LINK.duration_s(p.nbytes)
         assert schedule.finish_s[p.pid] >= ready[p.bucket] + duration - 1e-9

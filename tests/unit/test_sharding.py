@@ -33,7 +33,9 @@ def test_blocks_tile_buckets_on_row_boundaries(shapes, bucket_size, block_bytes)
         if len(mine) > 1:
             assert all(b.end - b.start >= minimum for b in mine)
     covered = {slot: 0 for slot in slots}
-    for block, block_segments in zip(blocks, segments):
+    assert blocks and len(blocks) == len(segments), (len(blocks), len(segments))
+    for block, block_segments in zip(blocks, segments, strict=True):
+        assert block_segments, f"block {block.pid} has no segment"
         assert sum(s.numel for s in block_segments) == block.end - block.start
         for segment in block_segments:
             row = row_numels[segment.slot]
@@ -75,7 +77,8 @@ def test_hyperparameters_round_trip():
     ):
         snapshot = hyperparameter_snapshot(optimizer, kind)
         decoded = decode_hyperparameters(kind, encode_hyperparameters(kind, snapshot), len(snapshot))
-        for before, after in zip(snapshot, decoded):
+        assert snapshot and len(decoded) == len(snapshot), (snapshot, decoded)
+        for before, after in zip(snapshot, decoded, strict=True):
             assert {k: v for k, v in before.items() if k not in ("foreach", "fused")} == {
                 k: v for k, v in after.items() if k not in ("foreach", "fused")}
 

@@ -86,7 +86,7 @@ def test_from_link_inverts_a_measured_ring():
         cluster = Cluster(world, 10.0, latency_s=25e-6, host_overhead_s=2e-4, compute_slowdown=0.15,
                           collective_slowdown=0.4)
         link = cluster.link_profile()
-        assert link.world_size == world
+        assert link.world_size == world and link.samples, link
         for sample in link.samples:
             assert link.duration_s(sample.nbytes) == pytest.approx(sample.seconds)
         back = Cluster.from_link(link, workers=world)
