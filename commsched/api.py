@@ -103,12 +103,8 @@ def serve(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: St
     did; the script then ends, or goes on with work of its own. Raises
     ``ValueError`` (on every rank) if this rank is a worker.
     """
-    strategy = _checked_strategy(strategy)
     _check_model(model)
-    _agree(model, optimizer, strategy, None, _Entry.SERVE)
-    server = join_parameter_server_job(model, optimizer, strategy)
-    assert isinstance(server, ParameterServer), "the role was checked on every rank by _agree"
-    return server.serve()
+    return _join_as_server(model, optimizer, strategy, _Entry.SERVE).serve()
 
 
 class ServingFinished(SystemExit):
@@ -212,8 +208,15 @@ def prepare_server(model: torch.nn.Module, optimizer: torch.optim.Optimizer, str
     For code that runs several parameter-server jobs at once (each
     `ParameterServer.serve` on a thread of its own); `serve` is simpler.
     """
+    return _join_as_server(model, optimizer, strategy, _Entry.PREPARE_SERVER)
+
+
+def _join_as_server(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, entry: _Entry
+) -> ParameterServer:
+    """Agree with the workers' `prepare` (the role is checked on every rank), then join the job as its server."""
     strategy = _checked_strategy(strategy)
-    _agree(model, optimizer, strategy, None, _Entry.PREPARE_SERVER)
+    _agree(model, optimizer, strategy, None, entry)
     server = join_parameter_server_job(model, optimizer, strategy)
     assert isinstance(server, ParameterServer), "the role was checked on every rank by _agree"
     return server
