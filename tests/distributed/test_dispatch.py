@@ -46,8 +46,16 @@ class Wire:
         self.tensors = [torch.ones(p.nbytes // 4) for p in partitions]
         self.launched: list[int] = []
         self.handles: dict[int, GlooHandle] = {}
+        self.in_flight_at_launch: dict[int, list[int]] = {}
+        """For each partition, those launched before it whose operation had not finished.
+
+        Read from the future, which is done before its callbacks run (the work's
+        ``is_completed()`` is not): a partition launched from its predecessor's
+        callback sees that predecessor finished."""
 
     def launch(self, partition: Partition) -> GlooHandle:
+        self.in_flight_at_launch[partition.pid] = [
+            pid for pid, handle in self.handles.items() if not handle.work.get_future().done()]
         self.launched.append(partition.pid)
         handle = GlooHandle(dist.all_reduce(self.tensors[partition.pid], async_op=True))
         self.handles[partition.pid] = handle
@@ -87,9 +95,10 @@ def case_a_completion_returns_its_own_credit():
     count its own partition as done, or the next one waits for another event."""
     dispatcher, wire, tracker = dispatcher_for((0, 1, 2), credit_bytes=PARTITION_BYTES)
     dispatcher.bucket_ready(0)
-    assert wire.launched == [0]  # the window holds one partition
     tracker.drain(TIMEOUT_S)  # 0's callback ran, and issued 1; then 1's
     assert wire.launched == [0, 1]
+    # the window holds one partition: 1 went only once 0 had finished (whichever thread launched it)
+    assert wire.in_flight_at_launch[1] == []
     end_backward(dispatcher)
     assert wire.launched == [0, 1, 2]
     wait_all(wire, tracker)
