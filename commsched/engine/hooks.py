@@ -5,7 +5,12 @@
 - the root's forward hook, which arms the first output gradient of the coming
   backward pass to call `HookTarget.backward_starting`, before any parameter's
   gradient exists (see [Note: views ahead of backward] in
-  `commsched.engine.views_ahead`).
+  `commsched.engine.views_ahead`);
+- on every module, ``state_dict()`` and ``load_state_dict()`` hooks: state read
+  or loaded through any module (a backbone saved alone, the original module of
+  a compiled model) waits for pending updates first, as the root's does, and a
+  load is announced once, by the outermost module it started at
+  (`HookTarget.state_loaded`).
 
 Hooks of one phase (the gates, the first forward pass's recording, the reads
 watched during warm-up) belong to the objects of that phase.
@@ -35,6 +40,12 @@ class HookTarget(Protocol):
     def backward_starting(self) -> None:
         """The gradient of the model's output is being computed: a backward pass through the model begins."""
 
+    def synchronize(self) -> None:
+        """Pending reductions and updates are done: state about to be read or loaded is current."""
+
+    def state_loaded(self) -> None:
+        """``load_state_dict()`` has loaded new values into the model (or part of it)."""
+
 
 class ModelHooks:
     """Registers the model-long hooks on ``root`` and its ``params``; `remove` takes them off."""
@@ -47,6 +58,12 @@ class ModelHooks:
         ]
         self._handles.append(root.register_forward_pre_hook(self._before_forward))
         self._handles.append(root.register_forward_hook(self._arm_backward_start))
+        self._loading: torch.nn.Module | None = None
+        """The outermost module of the ``load_state_dict()`` under way."""
+        for module in root.modules():
+            self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            self._handles.append(module.register_load_state_dict_pre_hook(self._before_load))
+            self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -75,6 +92,25 @@ class ModelHooks:
 
         for tensor in outputs:
             tensor.register_hook(on_output_gradient)
+
+
+    def _before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._target.synchronize()
+
+    def _before_load(self, module: torch.nn.Module, state_dict: object, prefix: str, *args: object) -> None:
+        """Called parent first: the first of our modules a load reaches is its outermost.
+
+        An empty ``prefix``: ``load_state_dict()`` was called on this very module, so a load
+        left unfinished by an exception is forgotten."""
+        if self._loading is None or not prefix:
+            self._target.synchronize()
+            self._loading = module
+
+    def _after_load(self, module: torch.nn.Module, incompatible_keys: object) -> None:
+        """Called children first: the outermost module's hook comes last."""
+        if module is self._loading:
+            self._loading = None
+            self._target.state_loaded()
 
 
 def _gradient_hook(target: HookTarget, slot: int) -> Callable[[torch.Tensor], None]:

@@ -124,7 +124,7 @@ class GradientReducer:
         self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build)
         """Until warm-up is over and the reads it watched are no longer watched."""
         self.hooks = ModelHooks(module, self.params, self)
-        self.buffers = BufferBroadcast(list(module.modules()), groups, config.timeout_s,
+        self.buffers = BufferBroadcast(lambda: self._fingerprint.modules, groups, config.timeout_s,
                                        config.broadcast_buffers and transport.world_size > 1)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s, transport.join_refusal,
                                           config.overlap_requested)
@@ -373,7 +373,7 @@ class GradientReducer:
                 "commsched learns the bucket layout from the first iteration, so every rank needs at "
                 "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
             )
-        self.buffers(training=False, under_join=self.uneven_inputs.enabled)
+        self.buffers.shadow_iteration(under_join=self.uneven_inputs.enabled)
         self.synchronize()
         self._phase = Phase.BACKWARD
         try:
@@ -394,12 +394,12 @@ class GradientReducer:
         if self._phase is not Phase.IDLE:
             raise RuntimeError(BACKWARD_UNFINISHED)
         self._fingerprint.check()
-        if self._sync_enabled and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             under_join = self.uneven_inputs.enabled
-            if under_join:
+            if under_join and self._sync_enabled:
                 # [Note: uneven inputs] Ranks that ran out of batches count this iteration.
                 Join.notify_join_context(self.module)
-            self.buffers(training=True, under_join=under_join)
+            self.buffers.before_forward(self._sync_enabled, under_join)
         if self.layout is None and torch.is_grad_enabled():
             self.warmup.record_first_forward()
 
@@ -434,6 +434,10 @@ class GradientReducer:
             current.complete_all()
             # Gradients are final now: changing them before step() is legitimate.
             current.grads_final = True
+
+    def state_loaded(self) -> None:
+        """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""
+        self.policy.push_parameters()
 
     def step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None = None) -> None:
         """Release this iteration's updates (all at once without overlap).

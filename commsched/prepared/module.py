@@ -1,4 +1,8 @@
-"""What a prepared model gains: ``no_sync()``, a ``state_dict()`` that waits, and plain copies."""
+"""What a prepared model gains: ``no_sync()``, ``Join``, and plain copies.
+
+Its ``state_dict()`` and ``load_state_dict()``, and those of every submodule,
+wait for pending updates through hooks (`commsched.engine.hooks.ModelHooks`).
+"""
 
 from __future__ import annotations
 
@@ -52,18 +56,6 @@ class CommschedModule:
         """
         with self._commsched_reducer.no_sync():
             yield
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._commsched_reducer.synchronize()
-        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
-
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Load as torch does; with parameter servers, the new values are sent to them too."""
-        reducer = self._commsched_reducer
-        reducer.synchronize()
-        result = super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
-        reducer.policy.push_parameters()
-        return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.nn.Module:
         """A plain copy (EMA, SWA, evaluation): the user's class, without commsched.

@@ -46,10 +46,23 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
 def hyperparameter_snapshot(optimizer: torch.optim.Optimizer, kind: str) -> list[dict[str, object]]:
     """The hyper-parameters of every param group of ``optimizer`` now, with the group's own
     ``foreach`` and ``fused`` exactly as torch.optim's ``step()`` passes them (None lets
-    torch pick; an explicit False is kept, since torch treats it differently from None)."""
+    torch pick; an explicit False is kept, since torch treats it differently from None).
+
+    Tensor values (``lr=torch.tensor(0.1)``, tensor betas) are copied: an LR scheduler
+    changes such a tensor in place, and an update applied after ``step()`` returned
+    (forward overlap) must use the value ``step()`` saw."""
     keys = _HYPERPARAMETERS[kind]
-    return [{k: group.get(k) for k in keys} | {"foreach": group.get("foreach"), "fused": group.get("fused")}
+    return [{k: _frozen(group.get(k)) for k in keys} | {"foreach": group.get("foreach"), "fused": group.get("fused")}
             for group in optimizer.param_groups]
+
+
+def _frozen(value: object) -> object:
+    """``value`` as it is now: tensors (also inside tuples) copied, everything else as is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
