@@ -141,7 +141,8 @@ def bn_batches(rank, count):
 def case_buffers_under_accumulation_as_ddp(rank, world_size, idiom, strategy):
     """BatchNorm statistics, and the parameters they lead to, are DDP's in each accumulation idiom.
 
-    ``no_sync``: the first micro-steps inside ``no_sync()``; ``eval_between``: a plain
+    ``no_sync``: the first micro-steps inside ``no_sync()``; ``backward_each``: a
+    synchronised backward pass per micro-step, one ``step()``; ``eval_between``: a plain
     step, then evaluation under ``no_grad`` in ``eval()`` mode, then the next steps
     (compared after a training step: the evaluation's own forward pass broadcasts
     under DDP and not here; see [Note: when buffers are broadcast]).
@@ -160,6 +161,9 @@ def case_buffers_under_accumulation_as_ddp(rank, world_size, idiom, strategy):
                     for x, y in micro[:2]:
                         F.cross_entropy(m(x), y).backward()
                 F.cross_entropy(m(micro[2][0]), micro[2][1]).backward()
+            elif idiom == "backward_each":
+                for x, y in micro:
+                    F.cross_entropy(m(x), y).backward()
             else:
                 F.cross_entropy(m(micro[0][0]), micro[0][1]).backward()
             o.step()
@@ -187,7 +191,7 @@ def current_state(rank: int, world_size: int) -> None:
                  case_converted_after_prepare_is_refused, case_parameter_free_module_added_after_prepare,
                  case_module_wrapping_parameters_added_after_prepare_is_refused):
         cases[case.__name__.removeprefix("case_")] = functools.partial(case, rank, world_size)
-    for idiom in ("no_sync", "eval_between"):
+    for idiom in ("no_sync", "backward_each", "eval_between"):
         for label, strategy in (("default", None), ("no_overlap", commsched.Strategy(overlap_forward=False))):
             cases[f"buffers_as_ddp/{idiom}/{label}"] = functools.partial(
                 case_buffers_under_accumulation_as_ddp, rank, world_size, idiom, strategy)
