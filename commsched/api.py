@@ -30,6 +30,7 @@ from commsched.comm.side_groups import control_group_for, side_group_for
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
+from commsched.engine.trace import check_trace_dir
 from commsched.prepared.foreign_optimizers import watch_foreign_optimizers
 from commsched.prepared.module import CommschedModule
 from commsched.prepared.optimizer import CommschedOptimizer
@@ -194,6 +195,8 @@ def _check_locally(
         check_parameter_server_setup(optimizer, group)
     if entry is not _Entry.PREPARE:
         _check_serving(strategy, entry)
+    elif strategy.trace_dir is not None:
+        check_trace_dir(strategy.trace_dir)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
             f"the model ({type(model).__name__}) has no parameter with requires_grad=True, so there is "

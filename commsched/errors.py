@@ -31,7 +31,8 @@ class CommunicationTimeout(RuntimeError):
     """A reduction did not finish in time: a peer died, hung, or raised an error."""
 
 
-PEER_LOST = "Another rank probably died, raised an error, or runs different code; check its log"
+PEER_LOST = ("Another rank probably died, raised an error, was busy elsewhere for longer than the timeout, or runs "
+             "different code; check its log")
 
 _failures = 0
 """How many `CommunicationTimeout`\\ s were made in this process."""

@@ -76,7 +76,8 @@ class AllReduceTransport:
             bucket.flat[: bucket.grad_numel].div_(self.world_size)
 
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
-        return None
+        if self._heartbeat is not None:
+            self._heartbeat.at_iteration(iteration)
 
     def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
         if self.is_local:

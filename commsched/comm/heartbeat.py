@@ -2,12 +2,20 @@
 
 [Note: naming the lost rank] A gloo collective that fails says only that it
 timed out, or which socket closed, not which rank is gone. So every rank of a
-multi-rank group beats: a thread of its own writes a counter into the job's
-key-value store every `BEAT_PERIOD_S` (a write needs no answer, so a beat never
-blocks, even cut off from the network). After a failed reduction, a survivor
-reads every peer's counter over `SILENCE_S`: a rank whose counter did not move
-is dead, stopped, or cut off, and the error names it. Nothing runs per
-iteration; a failure costs `SILENCE_S` more.
+multi-rank group beats: a thread of its own writes a counter, and the iteration
+this rank last began, into the job's key-value store every `BEAT_PERIOD_S` (a
+write needs no answer, so a beat never blocks, even cut off from the network).
+After a failed reduction, a survivor reads every peer's beat over `SILENCE_S`:
+a rank whose counter did not move is dead, stopped, or cut off; one that beats
+but has not begun this rank's iteration is busy elsewhere; the error names
+them. Nothing runs per iteration; a failure costs `SILENCE_S` more.
+
+[Note: keys of this job only] The store may outlive a job (torchrun's agent
+hosts it across restarts) and be shared with other users of it. So every key
+lives under the job's prefix (the one torch gives the default group's store,
+through a clone of that store), and a mark a rank leaves for the others (its
+failure) carries a tick of a counter in the store (`store_clock`): a reader
+believes only marks written after it joined, never one an earlier job left.
 """
 
 from __future__ import annotations
@@ -33,12 +41,41 @@ STORE_REACH_S = 3.0
 """How long a survivor tries to reach the job's store before concluding it cannot."""
 
 
+BEAT_WRITE_S = 30.0
+"""How long one beat may wait for the store before the beat thread gives up."""
+
+
 logger = logging.getLogger("commsched")
 
 _KEY = "commsched/heartbeat/{}"
 
 
 _FAILED_KEY = "commsched/failed/{}"
+
+
+_CLOCK_KEY = "commsched/clock"
+
+
+def job_store(timeout_s: float) -> dist.Store | None:
+    """A client of the job's store of its own, under the job's prefix; None without one.
+
+    A clone of the default group's store (a ``PrefixStore`` over the job's
+    TCPStore): the process group's own client may be blocked in a wait, and
+    keys written through the clone stay under the prefix torch gave the job.
+    """
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store().clone()
+    except Exception:  # noqa: BLE001 - no default store, or one that cannot be cloned: nothing to note into
+        return None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def store_clock(store: dist.Store) -> int:
+    """The next tick of a counter in ``store``: orders marks of this job after those of earlier ones."""
+    return store.add(_CLOCK_KEY, 1)
 
 
 class Heartbeat:
@@ -49,12 +86,20 @@ class Heartbeat:
     to beat into and failures name no rank.
     """
 
-    def __init__(self, host: str, port: int, rank: int, peers: Sequence[int]):
+    def __init__(self, host: str, port: int, rank: int, peers: Sequence[int], store: dist.Store | None = None):
+        """``store``: a client of the job's store under its prefix, of this heartbeat's own (cloned for
+        each connection; None: the bare store at ``host``:``port``)."""
         self._address = (host, port)
         self._rank = rank
         self._peers = [peer for peer in peers if peer != rank]
         self._stop = threading.Event()
-        self._store = _connect(host, port)
+        self._template = _connect(host, port, STORE_REACH_S) if store is None else store
+        self._template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
+        self._store = self._template.clone()
+        self._store.set_timeout(datetime.timedelta(seconds=BEAT_WRITE_S))
+        self._joined = store_clock(self._store)
+        """Marks written at or before this tick were left by an earlier job (see [Note: keys of this job only])."""
+        self._iteration = -1
         self._verdict: str | None = None
         self._thread = threading.Thread(target=self._beat, name="commsched-heartbeat", daemon=True)
         self._thread.start()
@@ -66,18 +111,25 @@ class Heartbeat:
         if address is None:
             return None
         try:
-            return cls(*address, dist.get_rank(), dist.get_process_group_ranks(group))
+            store = job_store(STORE_REACH_S)
+            if store is None:
+                return None
+            return cls(*address, dist.get_rank(), dist.get_process_group_ranks(group), store)
         except RuntimeError:  # the store takes no more clients: train on, failures just name no rank
             logger.warning("commsched: no heartbeat (could not connect to the job's store at %s:%d); a "
                            "failed reduction will not name the lost rank", *address, exc_info=True)
             return None
+
+    def at_iteration(self, iteration: int) -> None:
+        """This rank began ``iteration``: the next beats say so."""
+        self._iteration = iteration
 
     def _beat(self) -> None:
         key, count = _KEY.format(self._rank), 0
         while True:
             count += 1
             try:
-                self._store.set(key, str(count))
+                self._store.set(key, f"{count} {self._iteration}")
             except Exception:  # noqa: BLE001 - the store left with its host: nothing left to tell
                 return
             if self._stop.wait(BEAT_PERIOD_S):
@@ -90,7 +142,7 @@ class Heartbeat:
         self._store = None
 
     def lost_peers(self) -> str:
-        """After a failure: a sentence naming the peers that stopped beating (watched once)."""
+        """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once)."""
         if self._verdict is None:
             self._verdict = self._watch()
         return self._verdict
@@ -100,29 +152,39 @@ class Heartbeat:
         try:
             # A plain connection first: on a cut link it fails within the limit, quietly.
             socket.create_connection(self._address, timeout=STORE_REACH_S).close()
-            store = _connect(host, port, timeout_s=STORE_REACH_S)
-        except (OSError, RuntimeError):
-            return (f"This rank cannot reach the job's store at {host}:{port} either: its own network "
-                    "connection is probably down, or the store's host died.")
-        keys = {peer: _KEY.format(peer) for peer in self._peers}
-
-        def beats(peer: int) -> bytes | None:
-            return store.get(keys[peer]) if store.check([keys[peer]]) else None
-
+        except ConnectionRefusedError:
+            return (f"The job's store at {host}:{port} refuses connections: the process that hosted it (rank 0, "
+                    "unless torchrun's agent hosts it) has ended, probably after an error of its own (a rank "
+                    "that waits longer than Strategy.timeout_s for another ends with one); check its log.")
+        except OSError:
+            return (f"This rank cannot reach the job's store at {host}:{port} either: its own network connection "
+                    "is probably down, or the store's host is.")
         try:
+            store = self._template.clone()
             # Survivors end after their own error: their silence must not be taken for the cause.
-            store.set(_FAILED_KEY.format(self._rank), "1")
-            first = {peer: beats(peer) for peer in self._peers}
+            store.set(_FAILED_KEY.format(self._rank), str(store_clock(store)))
+            first = {peer: _read(store, _KEY.format(peer)) for peer in self._peers}
+            latest = dict(first)
             silent = set(self._peers)
             deadline = time.monotonic() + SILENCE_S
             while silent and time.monotonic() < deadline:
                 time.sleep(BEAT_PERIOD_S / 2)
-                silent = {peer for peer in silent if beats(peer) == first[peer]}
-            ended = {peer for peer in silent if store.check([_FAILED_KEY.format(peer)])}
+                for peer in sorted(silent):
+                    latest[peer] = _read(store, _KEY.format(peer))
+                silent = {peer for peer in silent if latest[peer] == first[peer]}
+            ended = {peer for peer in silent if self._failed_in_this_job(store, peer)}
         except RuntimeError:
-            return (f"The job's store at {host}:{port} closed while this rank read the heartbeats: the "
-                    "process that hosts it (rank 0, unless torchrun's agent does) has probably ended.")
-        lost = silent - ended
+            return (f"The job's store at {host}:{port} accepts connections but did not answer within "
+                    f"{STORE_REACH_S:g} s: the process that hosts it (rank 0, unless torchrun's agent does) is "
+                    "probably stopped, hung, or ending.")
+        return self._verdict_on(silent - ended, ended, {peer: _iteration_of(latest[peer]) for peer in self._peers})
+
+    def _failed_in_this_job(self, store: dist.Store, peer: int) -> bool:
+        """Whether ``peer`` noted a communication error of its own after this rank joined."""
+        tick = _read(store, _FAILED_KEY.format(peer))
+        return tick is not None and tick.isdigit() and int(tick) > self._joined
+
+    def _verdict_on(self, lost: set[int], ended: set[int], iterations: dict[int, int | None]) -> str:
         verdict = []
         if lost:
             verdict.append(f"{_ranks(lost)} stopped responding: no heartbeat for {SILENCE_S:g} s (dead, "
@@ -130,14 +192,44 @@ class Heartbeat:
         if ended:
             whose = "its" if len(ended) == 1 else "their"
             verdict.append(f"{_ranks(ended)} ended after a communication error of {whose} own.")
-        if not silent:
-            verdict.append("Every other rank's process still runs (their heartbeats arrive): one of them is "
-                           "probably stuck outside this job's communication, or raised an error.")
+        alive = set(self._peers) - lost - ended
+        behind = {peer for peer in alive
+                  if self._iteration >= 0 and iterations[peer] is not None and iterations[peer] < self._iteration}
+        if behind:
+            where = ", ".join(f"rank {peer} at {_began(iterations[peer])}" for peer in sorted(behind))
+            verdict.append(
+                f"{_ranks(behind)} did not answer in time: {_it_they(behind)} still run{'s' if len(behind) == 1 else ''} "
+                f"(heartbeats arrive) but had not begun iteration {self._iteration}, where this rank waits "
+                f"({where}): probably busy outside this job's communication (data loading, evaluation, a "
+                "checkpoint) for longer than Strategy.timeout_s, or stuck there.")
+        elif alive and not lost and not ended:
+            verdict.append(
+                f"{_ranks(alive)} did not answer in time but still run{'s' if len(alive) == 1 else ''} (heartbeats "
+                "arrive): probably slower than Strategy.timeout_s or stuck outside this job's communication, or "
+                "failed with an error there; check their logs.")
         return " ".join(verdict)
+
+
+def _read(store: dist.Store, key: str) -> str | None:
+    return store.get(key).decode(errors="replace") if store.check([key]) else None
+
+
+def _iteration_of(beat: str | None) -> int | None:
+    """The iteration a beat says its rank last began (None: unknown)."""
+    fields = (beat or "").split()
+    return int(fields[1]) if len(fields) == 2 and fields[1].lstrip("-").isdigit() else None
+
+
+def _began(iteration: int) -> str:
+    return "no iteration yet" if iteration < 0 else f"iteration {iteration}"
 
 
 def _ranks(ranks: set[int]) -> str:
     return f"Rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
+def _it_they(ranks: set[int]) -> str:
+    return "it" if len(ranks) == 1 else "they"
 
 
 def _store_address() -> tuple[str, int] | None:

@@ -12,12 +12,23 @@ Rows (``tid``) of one rank's process:
 
 The tracer is an observer of the events the core emits (`commsched.engine.events`);
 it is subscribed only when ``Strategy(trace_dir=...)`` is set.
+
+[Note: writing a trace] `check_trace_dir` runs among ``prepare()``'s own
+checks, so a directory one rank cannot write to stops every rank there, naming
+it, instead of that rank alone failing later while the others wait for it.
+The file is written to a temporary file of an unpredictable name, created
+anew in the directory (``mkstemp``: never through a link planted there), then
+renamed over the final name (a link planted there is replaced, not followed).
+A write that fails later, mid-run (a full disk), is logged and training goes on:
+the trace is not worth stopping every rank for.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,6 +45,8 @@ from commsched.layout.partitions import Partition
 
 ROWS = ("compute", "gates", "queue", "wire", "update")
 
+logger = logging.getLogger("commsched")
+
 
 def now_us() -> float:
     return time.perf_counter_ns() / 1e3
@@ -41,6 +54,49 @@ def now_us() -> float:
 
 WRITE_EVERY = 20
 """Iterations between rewrites of the file, so a run that dies still leaves a trace."""
+
+
+def check_trace_dir(directory: str | os.PathLike) -> None:
+    """Create ``directory`` if needed and prove this process can write a trace there; else raise
+    ``OSError`` naming it and the cause (see [Note: writing a trace])."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        descriptor, probe = tempfile.mkstemp(dir=directory, prefix=".commsched-probe-")
+        os.close(descriptor)
+        os.unlink(probe)
+    except OSError as error:
+        cause = f"{error.strerror}: {error.filename!r}" if error.strerror and error.filename else str(error)
+        raise type(error)(
+            error.errno,
+            f"Strategy(trace_dir={os.fspath(directory)!r}): cannot write a trace there ({cause}). Give a "
+            "directory this rank can create and write to, or trace_dir=None",
+        ) from error
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` at once or not at all, whatever link was planted at any name involved."""
+    descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(descriptor, 0o666 & ~_UMASK)  # as a plain open() would create it (mkstemp's is 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    """The process's umask (read once, at import, when nothing else creates files)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
 
 
 class Tracer(Observer):
@@ -56,6 +112,7 @@ class Tracer(Observer):
     ):
         self.path = Path(directory) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._failed_writes = 0
         self.rank = rank
         self.iteration = -1
         self._root = root
@@ -76,7 +133,7 @@ class Tracer(Observer):
     def iteration_started(self, iteration: int) -> None:
         self.iteration = iteration
         if iteration % WRITE_EVERY == 0:
-            self.write()
+            self._write_or_warn()
 
     def forward_started(self) -> None:
         if torch.is_grad_enabled() and self._root.training:
@@ -111,7 +168,7 @@ class Tracer(Observer):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self.write()
+        self._write_or_warn()
 
     # ----------------------------------------------------------------- records
 
@@ -165,17 +222,26 @@ class Tracer(Observer):
         if owns_parameters and node is not None:
             node.register_prehook(lambda grad_outputs, key=key: self.begin("compute", -key))
 
+    def _write_or_warn(self) -> None:
+        """`write`; a failure is logged (the first one with its cause) and the run goes on."""
+        try:
+            self.write()
+        except OSError:
+            self._failed_writes += 1
+            if self._failed_writes == 1:
+                logger.warning("commsched: could not write the trace %s; training goes on, the trace will be "
+                               "incomplete", self.path, exc_info=True)
+
     def write(self) -> Path:
-        """Write every event so far; atomically, so a reader never sees half a file."""
+        """Write every event so far; atomically, so a reader never sees half a file (see [Note: writing a
+        trace])."""
         with self._lock:
             events = list(self._events)
         if len(events) == self._written:
             return self.path
-        self._written = len(events)
         metadata = [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": row, "args": {"name": row}}
                     for row in ROWS]
         metadata.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
-        partial = self.path.with_suffix(f".json.{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"traceEvents": metadata + events, "displayTimeUnit": "ms"}))
-        os.replace(partial, self.path)
+        _write_atomically(self.path, json.dumps({"traceEvents": metadata + events, "displayTimeUnit": "ms"}))
+        self._written = len(events)
         return self.path

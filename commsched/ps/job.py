@@ -82,7 +82,7 @@ def join_parameter_server_job(
         buffer_group = dist.new_group(roles.workers)
     transport_group = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
     _jobs_started += 1
-    board = FailureBoard(f"commsched/ps/{_jobs_started}")
+    board = FailureBoard(f"commsched/ps/{_jobs_started}", roles.rank, [*roles.workers, *roles.servers])
     if roles.is_server:
         return ParameterServer(model, optimizer, config, roles, transport_group, board)
     params = [p for _, p in model.named_parameters() if p.requires_grad]

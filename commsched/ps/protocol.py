@@ -46,6 +46,8 @@ class Command(enum.IntEnum):
     """The optimizer state of every block of this server follows; acknowledge."""
     SET_PARAMETERS = 5
     """New parameter values for every block of this server follow; acknowledge."""
+    FAILED = 6
+    """This worker is ending by an exception: no more messages (its note says which)."""
 
 
 HEADER_FIXED = 3  # command, iteration, plan follows

@@ -12,18 +12,30 @@ parameters.
 
 Receives complete through `commsched.ps.receive` (see [Note: one waiter per
 receive] there).
+
+[Note: a worker's failures] Every send and receive, posted or waited for,
+that fails becomes a `CommunicationTimeout` naming the peer and quoting the
+note a peer left (`commsched.ps.roles.FailureBoard`): gloo raises at once when
+an operation is posted to a peer whose connection closed, not only when it is
+waited for. At the end (`finish`), a worker that is ending by an exception says
+so, in a note of its own and with a FAILED command instead of FINISH, so that
+the servers and the other workers report a crash, not a worker that finished
+early; and nothing there may raise, so that the rest of the shutdown runs.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from commsched.comm.transport import TransportStatus
-from commsched.errors import CommunicationTimeout, communication_timeout, wait_work
+from commsched.errors import CommunicationTimeout, communication_failed, communication_timeout, wait_work
 from commsched.layout.buckets import Bucket, BucketSet
 from commsched.layout.partitions import Partition
 from commsched.ps.config import JobConfig
@@ -114,6 +126,10 @@ class ParameterServerTransport:
         """Headers (and plans) in flight, each with what it is and to which server."""
         self._sent_hyperparameters: list[dict[str, object]] | None = None
         self._iteration = -1
+        self._stepped = True
+        """Whether ``step()`` ran after the latest synchronised backward pass began."""
+        self._exception_at_start = _shown_exception()
+        """An exception shown before this job began (an interactive session's) is not this job's end."""
         self._waiters = {rank: ReceiveWaiter(rank, config.timeout_s) for rank in roles.servers}
         self.finished = False
 
@@ -126,7 +142,7 @@ class ParameterServerTransport:
         if self.roles.rank == self.roles.workers[0]:
             order = torch.tensor(list(bucket_set.forward_order), dtype=torch.int64)
             for server in self.roles.servers:
-                dist.send(order, dst=server, tag=LAYOUT_TAG, group=self.group)
+                self.send(order, server, LAYOUT_TAG, "the layout")
         self.plan = plan_model_sharding(
             self.params, bucket_set.bucket_slots, bucket_set.priorities, self.config.block_bytes,
             len(self.roles.servers),
@@ -164,21 +180,25 @@ class ParameterServerTransport:
         """Send every server this iteration's header (and the new plan, when it changes)."""
         self._wait_for_headers()
         self._iteration = iteration
+        self._stepped = False
         self._sent_hyperparameters = hyperparameter_snapshot(self.optimizer, self.kind)
         header = make_header(Command.PUSH, iteration, new_plan is not None,
                              encode_hyperparameters(self.kind, self._sent_hyperparameters))
         sends = []
         for server in self.roles.servers:
             to = f"to parameter server rank {server}"
-            sends.append((dist.isend(header, dst=server, tag=HEADER_TAG, group=self.group),
-                          f"the header of iteration {iteration} {to}"))
+            what = f"the header of iteration {iteration} {to}"
+            sends.append((self._post(lambda: dist.isend(header, dst=server, tag=HEADER_TAG, group=self.group),
+                                     what), what))
             if new_plan is not None:
                 plan = torch.tensor(list(new_plan), dtype=torch.int64)
-                sends.append((dist.isend(plan, dst=server, tag=PLAN_TAG, group=self.group), f"the plan {to}"))
+                sends.append((self._post(lambda: dist.isend(plan, dst=server, tag=PLAN_TAG, group=self.group),
+                                         f"the plan {to}"), f"the plan {to}"))
         self._header_sends = sends
 
     def check_hyperparameters_unchanged(self) -> None:
         """At ``step()``: the servers used the hyper-parameters read when backward began."""
+        self._stepped = True
         if self._sent_hyperparameters is None:
             return
         now = hyperparameter_snapshot(self.optimizer, self.kind)
@@ -203,24 +223,40 @@ class ParameterServerTransport:
         buffer[numel] = self._iteration
         buffer[numel + 1:] = torch.tensor([has_grad[s.slot] for s in segments], dtype=buffer.dtype)
         values = self.stages[bucket.index].flat[block.start:block.end]
-        receive = dist.irecv(values, src=server, tag=pull_tag(pid), group=self.group)
-        self._push_works[pid] = dist.isend(buffer, dst=server, tag=push_tag(pid), group=self.group)
+        receive = self._post(lambda: dist.irecv(values, src=server, tag=pull_tag(pid), group=self.group),
+                             f"the pull of block {pid} from parameter server rank {server}")
+        self._push_works[pid] = self._post(
+            lambda: dist.isend(buffer, dst=server, tag=push_tag(pid), group=self.group),
+            f"the push of block {pid} to parameter server rank {server}")
         return _BlockHandle(self, self._waiters[server].watch(receive), pid, server)
 
     def finish(self) -> None:
-        """Tell the servers this worker is done (idempotent; also run at exit)."""
+        """Tell the servers this worker is done, or failed (idempotent; also run at exit; never raises).
+
+        See [Note: a worker's failures]."""
         if self.finished:
             return
         self.finished = True
+        error = _uncaught_exception()
+        failed = error is not None and error is not self._exception_at_start
+        if failed and not communication_failed():  # else the cause is another rank's, noted or seen there
+            self.board.report_crash(f"worker rank {self.roles.rank} failed with an exception "
+                                    f"{self._when()}: {type(error).__name__}: {error}", self._iteration)
         if self.plan is not None and dist.is_initialized():
-            try:
-                for server in self.roles.servers:
-                    self.send_command(server, Command.FINISH)
-            except CommunicationTimeout:
-                logger.warning("commsched: could not tell every parameter server that rank %d finished",
-                               self.roles.rank, exc_info=True)
+            command = Command.FAILED if failed else Command.FINISH
+            for server in self.roles.servers:
+                try:
+                    self.send_command(server, command)
+                except Exception:  # noqa: BLE001 - the server may be gone: the shutdown goes on
+                    logger.warning("commsched: could not tell parameter server rank %d that rank %d %s", server,
+                                   self.roles.rank, "failed" if failed else "finished", exc_info=True)
         for waiter in self._waiters.values():
             waiter.stop(timeout_s=min(self.config.timeout_s, 30.0))
+
+    def _when(self) -> str:
+        if self._iteration < 0:
+            return "before its first iteration"
+        return f"after iteration {self._iteration}" if self._stepped else f"during iteration {self._iteration}"
 
     def explain_failure(self, error: CommunicationTimeout) -> None:
         """Name the lost rank if a peer notes it soon (a server sees a worker vanish at once)."""
@@ -240,12 +276,19 @@ class ParameterServerTransport:
         self.send(header, server, HEADER_TAG, f"a {command.name} command")
 
     def send(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
-        work = dist.isend(tensor, dst=server, tag=tag, group=self.group)
-        self._wait_all([work], f"sending {what} to parameter server rank {server}")
+        what = f"sending {what} to parameter server rank {server}"
+        self._wait_all([self._post(lambda: dist.isend(tensor, dst=server, tag=tag, group=self.group), what)], what)
 
     def receive(self, tensor: torch.Tensor, server: int, tag: int, what: str) -> None:
-        self._wait_all([dist.irecv(tensor, src=server, tag=tag, group=self.group)],
-                       f"receiving {what} from parameter server rank {server}")
+        what = f"receiving {what} from parameter server rank {server}"
+        self._wait_all([self._post(lambda: dist.irecv(tensor, src=server, tag=tag, group=self.group), what)], what)
+
+    def _post(self, start: Callable[[], dist.Work], what: str) -> dist.Work:
+        """Post an operation; one refused at once (its peer's connection closed) fails like a wait."""
+        try:
+            return start()
+        except RuntimeError as error:
+            self.raise_lost(what, error, self.config.timeout_s)
 
     def _wait_for_headers(self) -> None:
         for work, what in self._header_sends:
@@ -259,11 +302,27 @@ class ParameterServerTransport:
             except RuntimeError as error:
                 self.raise_lost(what, error, self.config.timeout_s)
 
-    def raise_lost(self, what: str, error: BaseException | None, timeout_s: float) -> None:
+    def raise_lost(self, what: str, error: BaseException | None, timeout_s: float) -> NoReturn:
         """Raise `CommunicationTimeout` naming the rank that was lost, if a peer noted it."""
         note = self.board.failure()
         cause = f"a peer reported: {note}" if note else (
-            "the parameter server or another worker probably died, hung or raised an error; check its log"
+            "the parameter server (or, through it, another worker) probably died, raised an error, or is "
+            "stopped or slower than Strategy.timeout_s; check its log"
         )
         raise communication_timeout(what, timeout_s, error, who=f"worker rank {self.roles.rank}",
                                     cause=cause) from error
+
+
+def _uncaught_exception() -> BaseException | None:
+    """The exception this process is ending by, if the interpreter is exiting after an uncaught one.
+
+    At exit (`threading`'s shutdown has stopped the main thread) Python keeps
+    the exception it just printed as ``sys.last_exc`` (``sys.last_value``
+    before 3.12).
+    """
+    return None if threading.main_thread().is_alive() else _shown_exception()
+
+
+def _shown_exception() -> BaseException | None:
+    """The latest exception the interpreter printed as uncaught (an interactive session's, or the one ending it)."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)

@@ -17,7 +17,9 @@ updates and sends the new values:
   worker more than K iterations (by the headers received) ahead of the slowest
   worker still training gets its values only once that worker catches up.
 
-[Note: finished or lost] A worker normally ends with a FINISH message. One
+[Note: finished or lost] A worker normally ends with a FINISH message, or,
+ending by an exception, with a FAILED message (and a note of its own saying
+which): the server stops at once with an error naming it. One
 whose connection closes mid-iteration (between its header and its last push)
 is lost: the server stops at once with an error naming it, which every other
 rank then reads (see `commsched.ps.roles.FailureBoard`). One whose connection
@@ -34,6 +36,7 @@ import logging
 import math
 import queue
 import threading
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -157,7 +160,12 @@ class ParameterServer:
     def serve(self) -> ServerReport:
         """Receive the layout, then serve until every worker has finished."""
         order = torch.empty(len(self.params), dtype=torch.int64)
-        self._wait(dist.irecv(order, src=self.roles.workers[0], tag=LAYOUT_TAG, group=self.group), None)
+        first = self.roles.workers[0]
+        try:
+            self._wait(dist.irecv(order, src=first, tag=LAYOUT_TAG, group=self.group), None)
+        except RuntimeError as error:
+            self._fail(f"worker rank {first} was lost before it sent the layout to parameter server rank "
+                       f"{self.roles.rank}: {error}")
         self._build(order.tolist())
         report = ServerReport(self.roles.rank, len(self.mine), sum(self.plan.blocks[p].nbytes for p in self.mine))
         self.report = report
@@ -181,9 +189,12 @@ class ParameterServer:
                 self._on_finish(w, finished, "finished")
             elif kind == "gone":
                 self._on_gone(w, event[2], finished)
+            elif kind == "failed":
+                self._on_failed(w)
             elif kind == "lost":
                 self._fail(f"worker rank {self.roles.workers[w]} was lost by parameter server rank "
-                           f"{self.roles.rank} during iteration {self._header_iteration[w] + 1}: {event[2]}")
+                           f"{self.roles.rank} during iteration {self._header_iteration[w]}: {event[2]}",
+                           self._header_iteration[w])
         for thread in threads:
             thread.join(timeout=THREAD_JOIN_S)
         for sends in self._pull_sends.values():
@@ -221,6 +232,9 @@ class ParameterServer:
                         self._events.put(("push", w, pid))
                 elif command is Command.FINISH:
                     self._events.put(("finish", w))
+                    return
+                elif command is Command.FAILED:
+                    self._events.put(("failed", w))
                     return
                 elif command is Command.GET_STATE:
                     self._checkpoints.send_state(worker)
@@ -281,11 +295,22 @@ class ParameterServer:
             "training goes on without it" if self.mode == "async" else
             "the end of training if every worker does the same, an error if another goes on",
         )
-        self.board.report_departure(text)  # read only by a worker whose own communication fails
+        self.board.report_departure(text, last)  # read only by a worker whose own communication fails
         self._on_finish(w, finished, str(error))
 
-    def _fail(self, text: str) -> None:
-        self.board.report_failure(text)
+    def _on_failed(self, w: int) -> None:
+        """The worker is ending by an exception: a crash, whatever the mode (see [Note: finished or lost])."""
+        worker = self.roles.workers[w]
+        note = self.board.note_of("crash", worker)
+        cause = note.text if note is not None else f"worker rank {worker} failed with an error (see its log)"
+        self._fail(f"{cause}; parameter server rank {self.roles.rank} stops", self._header_iteration[w])
+
+    def _fail(self, text: str, iteration: int | None = None) -> NoReturn:
+        """Stop serving: note ``text`` for the other ranks (at ``iteration``; None: the latest any worker
+        began) and raise it."""
+        if iteration is None:
+            iteration = max(getattr(self, "_header_iteration", [-1]))
+        self.board.report_failure(text, iteration)
         raise ParameterServerError(text)
 
     def _on_push(self, w: int, pid: int) -> None:
@@ -331,8 +356,7 @@ class ParameterServer:
             self.updater.update(self._local[pid], hyperparameters, skip)
         self.report.updates += 1
         self._pull_sends[pid] = [
-            (dist.isend(self.values[pid], dst=worker, tag=pull_tag(pid), group=self.group),
-             self.values[pid], worker)
+            (self._send_values(pid, self.values[pid], worker), self.values[pid], worker)
             for worker in self.roles.workers
         ]
 
@@ -375,10 +399,10 @@ class ParameterServer:
         kept = []
         for work, tensor, destination in self._pull_sends[pid]:
             if destination == worker:  # long done: the worker has pushed again since
-                self._wait(work, self._timeout)
+                self._wait_sent(work, pid, destination)
             else:
                 kept.append((work, tensor, destination))
-        kept.append((dist.isend(values, dst=worker, tag=pull_tag(pid), group=self.group), values, worker))
+        kept.append((self._send_values(pid, values, worker), values, worker))
         self._pull_sends[pid] = kept
 
     def _skipped(self, pid: int, used: torch.Tensor) -> frozenset[int]:
@@ -386,9 +410,28 @@ class ParameterServer:
         return frozenset(s.slot for s, flag in zip(self.plan.segments[pid], flags, strict=True) if flag == 0)
 
     def _wait_pull_sends(self, pid: int) -> None:
-        for work, _, _ in self._pull_sends[pid]:
-            self._wait(work, self._timeout)
+        for work, _, worker in self._pull_sends[pid]:
+            self._wait_sent(work, pid, worker)
         self._pull_sends[pid] = []
+
+    def _send_values(self, pid: int, values: torch.Tensor, worker: int) -> dist.Work:
+        """Send ``worker`` block ``pid``'s new ``values`` (its pull); a closed connection stops the server."""
+        try:
+            return dist.isend(values, dst=worker, tag=pull_tag(pid), group=self.group)
+        except RuntimeError as error:
+            self._lost_receiver(pid, worker, error)
+
+    def _wait_sent(self, work: dist.Work, pid: int, worker: int) -> None:
+        try:
+            self._wait(work, self._timeout)
+        except RuntimeError as error:
+            self._lost_receiver(pid, worker, error)
+
+    def _lost_receiver(self, pid: int, worker: int, error: RuntimeError) -> NoReturn:
+        w = self.roles.workers.index(worker)
+        self._fail(f"worker rank {worker} was lost: parameter server rank {self.roles.rank} could not send it "
+                   f"the values of block {pid} of iteration {self._header_iteration[w]} ({error})",
+                   self._header_iteration[w])
 
     @staticmethod
     def _wait(work: dist.Work, timeout_s: float | None, quiet: bool = False) -> None:

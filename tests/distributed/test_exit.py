@@ -119,6 +119,8 @@ generator = torch.Generator().manual_seed(rank)
 try:
     for iteration in range(100000):
         if iteration == at and rank == victim:
+            if signum == 0:
+                raise ValueError("the victim's own error")  # uncaught: it ends the script
             os.kill(os.getpid(), signum)
         F.mse_loss(model(torch.randn(8, 32, generator=generator)), torch.zeros(8, 4)).backward()
         optimizer.step()
@@ -140,10 +142,11 @@ def _read_lines(process: subprocess.Popen, lines: list[str]) -> None:
         lines.append(line)
 
 
-def survivors_after_a_failure(victim: int, signum: int, at: int, backend: str, ending: str, world_size: int = 3):
-    """Run the job; ``victim`` signals itself as iteration ``at`` starts. Per survivor: (message,
-    seconds from its error to its exit, or None if it had not exited ``EXIT_WITHIN_S`` + 10 s
-    after it, return code, log)."""
+def survivors_after_a_failure(victim: int, signum: int, at: int, backend: str, ending: str, world_size: int = 3,
+                              logs: list[str] | None = None):
+    """Run the job; ``victim`` signals itself (signal 0: raises an exception) as iteration ``at``
+    starts. Per survivor: (message, seconds from its error to its exit, or None if it had not exited
+    ``EXIT_WITHIN_S`` + 10 s after it, return code, log). ``logs``: filled with every rank's log."""
     # The job's store lives here, as torchrun's agent hosts it, so that it outlives every rank.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     processes, outputs = [], []
@@ -176,6 +179,8 @@ def survivors_after_a_failure(victim: int, signum: int, at: int, backend: str, e
             if process.poll() is None:
                 process.kill()  # also a stopped victim
             process.wait(timeout=30)
+    if logs is not None:
+        logs[:] = ["".join(lines) for lines in outputs]
     for rank in survivors:
         log = "".join(outputs[rank])
         error = _error_of(outputs[rank])
@@ -230,3 +235,17 @@ def test_worker_of_a_stopped_parameter_server_job_exits_promptly():
     workers' agreement on the plan, times out, and ends."""
     results = survivors_after_a_failure(1, signal.SIGSTOP, 3, "ps", "raise")
     _check_prompt_exits(results, 1, "plan")
+
+
+def test_a_crashed_parameter_server_worker_is_reported_as_a_crash():
+    """Worker 1 raises an exception of its own: the server stops naming the crash (not a worker that
+    finished early), and worker 0's error quotes it; worker 0, left with a dead server, exits promptly
+    with nothing raised by its shutdown at exit."""
+    logs: list[str] = []
+    results = survivors_after_a_failure(1, 0, KILL_AT, "ps", "raise", logs=logs)
+    _check_prompt_exits(results, 1, "worker rank 1 failed with an exception after iteration 5: ValueError: "
+                                     "the victim's own error")
+    assert "Exception ignored" not in results[0][3], results[0][3][-3000:]
+    server = logs[2]
+    assert "ParameterServerError: worker rank 1 failed with an exception" in server, server[-3000:]
+    assert "finished after" not in server, server[-3000:]

@@ -57,8 +57,12 @@ def _signal_self_when_told(key: str, signum: int) -> None:
 
 def train_until_a_peer_dies(
     rank: int, world_size: int, victim: int, signum: int = signal.SIGKILL, timeout_s: float = TIMEOUT_S,
-    kill_at: int = KILL_AT,
+    kill_at: int = KILL_AT, release: bool = False,
 ) -> str:
+    """Train until ``victim`` gets ``signum`` as iteration ``kill_at`` starts; return this worker's error.
+
+    ``release``: then release the model, as the exit handler would, and check that it ends there.
+    """
     if rank == victim == SERVER:
         _job_store().set("server pid", str(os.getpid()))
         threading.Thread(target=_signal_self_when_told, args=("kill", signum), daemon=True).start()
@@ -88,12 +92,17 @@ def train_until_a_peer_dies(
         elapsed = time.time() - float(store.get("kill"))
         message = str(error)
         assert elapsed < BOUND_S, f"took {elapsed:.1f} s to notice: {message}"
+        if release:
+            # What exit runs too: telling a dead server this worker is done fails at once, and the
+            # rest of the shutdown must run all the same.
+            commsched.release(model)
+            assert commsched.status(model).lifecycle is commsched.Lifecycle.RELEASED
         return message
     raise AssertionError("training went on although a peer was killed")
 
 
 def server_loss_is_named(rank: int, world_size: int) -> str:
-    message = train_until_a_peer_dies(rank, world_size, victim=SERVER)
+    message = train_until_a_peer_dies(rank, world_size, victim=SERVER, release=True)
     assert f"parameter server rank {SERVER}" in message, message
     return message
 
@@ -131,7 +140,7 @@ def test_killed_server_is_named_by_every_worker(ranks):
     with pytest.raises(RanksFailed) as failure:
         ranks(server_loss_is_named, WORKERS + SERVERS, timeout_s=120, collective_timeout_s=60)
     report = str(failure.value)
-    # Only the killed server failed: both workers' own checks passed.
+    # Only the killed server failed: both workers' own checks passed, and both were released.
     assert "1 of 3 ranks failed" in report and f"----- rank {SERVER} -----" in report, report
 
 

@@ -70,6 +70,31 @@ def test_trace_files_spans_and_report(shared_ranks):
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
 
 
+def trace_dir_unusable_on_rank_1(rank: int, world_size: int, directory: str) -> tuple[str, str]:
+    """Rank 1's trace_dir lies under a file; each rank returns the error its prepare() raised."""
+    if rank == 1:
+        (Path(directory) / "a-file").write_text("")
+    trace_dir = str(Path(directory) / ("a-file/trace" if rank == 1 else "trace"))
+    torch.manual_seed(0)
+    model = ParityNet()
+    try:
+        commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                          commsched.Strategy(trace_dir=trace_dir, timeout_s=20))
+    except (OSError, ValueError) as error:
+        return type(error).__name__, str(error)
+    raise AssertionError("prepare() went on although rank 1 cannot write its trace")
+
+
+@in_shared_ranks(trace_dir_unusable_on_rank_1, 2, timeout_s=60, tmp_dir=True)
+def test_a_trace_dir_one_rank_cannot_write_stops_every_rank_at_prepare(shared_ranks):
+    unusable = str(shared_ranks.path / "a-file" / "trace")
+    # Both are told at once which rank failed, which directory and why: rank 0 does not wait for
+    # rank 1 in vain.
+    for kind, message in shared_ranks.result():
+        assert kind == "ValueError" and "failed on rank(s) [1]" in message, message
+        assert f"trace_dir={unusable!r}" in message and "Not a directory" in message, message
+
+
 def test_report_without_traces_says_what_to_do(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"Strategy\(trace_dir="):
         report(tmp_path)

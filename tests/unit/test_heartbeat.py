@@ -1,0 +1,56 @@
+"""What a survivor's heartbeat watch says, on a real store: who lags behind, a store whose process
+ended, and marks an earlier job left in the same store."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from commsched.comm import heartbeat
+from commsched.comm.heartbeat import Heartbeat
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_a_peer_that_has_not_begun_this_ranks_iteration_is_named_as_the_one_that_did_not_answer(store):
+    waiting, slow = (Heartbeat("127.0.0.1", store.port, rank, [0, 1]) for rank in (0, 1))
+    try:
+        waiting.at_iteration(6)
+        slow.at_iteration(5)
+        verdict = waiting.lost_peers()
+    finally:
+        waiting.stop()
+        slow.stop()
+    assert "Rank 1 did not answer in time" in verdict and "rank 1 at iteration 5" in verdict, verdict
+    assert "network" not in verdict, verdict
+
+
+def test_a_store_whose_process_ended_is_not_taken_for_this_ranks_network():
+    """The rank that hosted the store gave up waiting for this (slow) rank and ended."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    beat = Heartbeat("127.0.0.1", store.port, 1, [0, 1])
+    try:
+        del store  # the server: its process ended
+        verdict = beat.lost_peers()
+    finally:
+        beat.stop()
+    assert "refuses connections" in verdict and "has ended" in verdict, verdict
+    assert "network" not in verdict, verdict
+
+
+def test_a_failure_marked_by_an_earlier_job_in_the_same_store_is_not_believed(store, monkeypatch):
+    monkeypatch.setattr(heartbeat, "SILENCE_S", 0.6)
+    earlier = [Heartbeat("127.0.0.1", store.port, rank, [0, 1]) for rank in (0, 1)]
+    earlier[0].lost_peers()  # rank 0 of the earlier job had a communication error of its own
+    for beat in earlier:
+        beat.stop()
+    # This job's rank 0 dies before it beats: its silence is the cause, whatever the earlier job left.
+    survivor = Heartbeat("127.0.0.1", store.port, 1, [0, 1])
+    try:
+        verdict = survivor.lost_peers()
+    finally:
+        survivor.stop()
+    assert "Rank 0 stopped responding" in verdict and "ended after" not in verdict, verdict
