@@ -53,4 +53,5 @@ def _gate(buckets: Sequence[int], wait_for: WaitForBuckets):
         if not running_backward():
             wait_for(buckets)
 
-    return gate
+    # In a compiled model the gate runs as it is, between two graphs: dynamo must not trace the engine.
+    return torch.compiler.disable(gate, reason="commsched's forward gate waits for and updates buckets")

@@ -14,6 +14,11 @@ From ``prepare()`` to the first synchronised pass after `WARMUP_ITERATIONS`:
 - `Warmup.finish` lets the cost model choose the partitioning on rank 0 and
   hands back one `WarmupResult`, from which the engine lays out, plans and
   starts forward overlap (or not).
+
+While the forward passes are recorded, a compiled model runs them eagerly
+(`commsched.watch.parameter_use.EagerForward`; [Note: recording and
+torch.compile]); it is compiled from the first forward pass after the last
+recorded one.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from commsched.planning.calibration import Calibration, calibrate
 from commsched.planning.cost_model import Choice, Timeline
 from commsched.planning.plans import WarmupTimeline, choose_on_rank0
 from commsched.watch.first_forward import FirstForward, agree_on_order
+from commsched.watch.parameter_use import EagerForward
 from commsched.watch.reads import ParameterReads
 
 OrderFound = Callable[[list[int], dict[int, torch.nn.Module]], None]
@@ -78,6 +84,9 @@ class Warmup:
         """The link, measured at the end of warm-up's last profiled pass (`pass_ended`)."""
         self.reads: ParameterReads | None = None
         self.finished = False
+        self._layout_known = False
+        self._eager: EagerForward | None = EagerForward(module)
+        """Until no forward pass is left to record."""
 
     # ------------------------------------------------------- the first forward
     def record_first_forward(self) -> None:
@@ -100,6 +109,8 @@ class Warmup:
             self._events.subscribe(self._profile)
         if gates_of_slots is not None:
             self.reads = ParameterReads(self._module, self._params, gates_of_slots)
+        self._layout_known = True
+        self._compile_when_recorded()
 
     def before_step(self) -> None:
         if self.reads is not None:
@@ -113,7 +124,14 @@ class Warmup:
                 reads.start()
             elif not reads.active:
                 self.reads = None
+        self._compile_when_recorded()
         return self.finished and self.reads is None
+
+    def _compile_when_recorded(self) -> None:
+        """Once no forward pass is left to record, a compiled model runs compiled again."""
+        if self._eager is not None and self._layout_known and self.reads is None:
+            self._eager.detach()
+            self._eager = None
 
     def pass_ended(self, finished: BackwardPass, layout: GradLayout) -> None:
         """At the end of warm-up's last profiled pass, its reductions complete: time the link for the
@@ -149,3 +167,6 @@ class Warmup:
         if self.reads is not None:
             self.reads.stop()
             self.reads = None
+        if self._eager is not None:
+            self._eager.detach()
+            self._eager = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -49,3 +50,47 @@ class BatchNormNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+class ResidualBlock(nn.Module):
+    """Convolution, BatchNorm, ReLU, convolution, BatchNorm, plus the input; then ReLU.
+
+    A block that changes the shape (``stride`` or channels) adds the input through a
+    strided 1x1 convolution and BatchNorm, as ResNet's downsampling blocks do.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class TinyResNet(nn.Module):
+    """A ResNet in miniature: a stem, a residual block, a downsampling one, global pooling, a head.
+
+    What ``torch.compile`` meets in real vision models (convolutions, BatchNorm buffers,
+    residual adds, several blocks), small enough to compile in seconds on a CPU.
+    Inputs: ``(batch, 1, H, W)``.
+    """
+
+    def __init__(self, channels: int = 4, classes: int = 3):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(ResidualBlock(channels, channels), ResidualBlock(channels, 2 * channels, stride=2))
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))

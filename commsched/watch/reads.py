@@ -24,10 +24,19 @@ entered so far in that pass; a parameter read before them is waited for by
 the root's gate from then on, at the start of the forward pass. A difference
 that appears only after warm-up is not seen: forward overlap assumes the
 warm-up's passes are representative (``overlap_forward=False`` otherwise).
+
+[Note: compiled reads] Code compiled by ``torch.compile`` that runs between two
+``step()`` calls of warm-up, outside the model's forward pass (a compiled loss
+or penalty), is not seen call by call (see [Note: recording and torch.compile]
+in `commsched.watch.parameter_use`): any parameter may be read there. Every
+parameter then counts as read before the forward pass, so every bucket is
+updated at ``step()``: communication still overlaps the backward pass, updates
+no longer overlap the next forward pass.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +44,8 @@ from torch.overrides import _get_current_function_mode_stack
 
 from commsched.watch.autograd_context import running_backward
 from commsched.watch.parameter_use import ParameterUseMode
+
+logger = logging.getLogger("commsched")
 
 _METADATA_METHODS = frozenset({
     "size", "numel", "dim", "stride", "element_size", "nelement", "is_contiguous", "data_ptr",
@@ -115,6 +126,15 @@ class ParameterReads:
             return  # the loop entered a mode of its own meanwhile; try again at the next stop
         mode.__exit__(None, None, None)
         self._mode = None
+        if mode.saw_compiled_code and len(self.before_forward) < len(self._slot_of):
+            # [Note: compiled reads]
+            self.before_forward.update(self._slot_of.values())
+            logger.warning(
+                "commsched: compiled code (torch.compile) ran between step() and the next step() during warm-up, "
+                "outside the model's forward pass; commsched cannot see which parameters it reads, so every "
+                "bucket is updated at step() from now on. Compile the model itself (prepare(torch.compile(model), "
+                "opt)), not the code around it, to keep updates overlapping the forward pass."
+            )
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

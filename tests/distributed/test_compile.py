@@ -1,0 +1,221 @@
+"""torch.compile: a compiled model trains as one process would, and as torch DDP trains the same compiled model.
+
+commsched's warm-up records its first iterations with a torch-function mode, which
+dynamo must not trace: those forward passes run eagerly, and the model is compiled
+from the first one after warm-up, each module's gate running between two graphs (see
+[Note: recording and torch.compile] in commsched/watch/parameter_use.py).
+``prepare(torch.compile(model))`` trains; a model compiled whole (``model.compile()``)
+or compiled after ``prepare()`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.parallel import DistributedDataParallel
+
+import commsched
+from commsched.testing import OPTIMIZERS, one_process_step, reference_copy, run_subtests
+from commsched.testing.models import TinyResNet
+from tests.shared_ranks import in_shared_ranks
+
+pytestmark = pytest.mark.distributed
+
+PER_RANK = 4
+IMAGE = (1, 8, 8)
+ITERATIONS = 8
+"""Past warm-up (3 iterations, and the 4th's forward pass, which it still watches): forward overlap is exercised."""
+RECORDED = 4
+"""Iterations whose forward passes warm-up records, eagerly."""
+OPTIMIZER = "sgd_momentum"
+
+
+def batches(world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    n = world_size * PER_RANK
+    return [(torch.randn(n, *IMAGE, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+            for _ in range(ITERATIONS)]
+
+
+def share_loss(model, x, y, penalty=None):
+    """``loss_of_share(r)``: rank ``r``'s loss on its slice, plus ``penalty()`` computed before the forward pass."""
+    def loss_of_share(r: int) -> torch.Tensor:
+        extra = penalty() if penalty is not None else 0.0
+        mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        return F.cross_entropy(model(x[mine]), y[mine]) + extra
+
+    return loss_of_share
+
+
+def train_ddp(base: torch.nn.Module, backend: str, data, rank: int) -> torch.nn.Module:
+    """torch DDP on a copy of ``base`` compiled the same way; returns the trained module."""
+    ddp_model = DistributedDataParallel(torch.compile(copy.deepcopy(base), backend=backend))
+    optimizer = OPTIMIZERS[OPTIMIZER](ddp_model.parameters())
+    for x, y in data:
+        share_loss(ddp_model, x, y)(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return ddp_model.module._orig_mod
+
+
+def case_trains_as_one_process(rank: int, world_size: int, backend: str, against_ddp: bool) -> None:
+    """``prepare(torch.compile(model))``: eager while warm-up records, then compiled once and never again;
+    the parameters are one process's and (``against_ddp``) torch DDP's on the same compiled model, buffers too."""
+    torch.manual_seed(0)
+    base = TinyResNet()
+    reference, reference_optimizer = reference_copy(base, OPTIMIZERS[OPTIMIZER])
+    data = batches(world_size)
+    ddp_module = None
+    if against_ddp:
+        torch._dynamo.reset()
+        # Apart from commsched's loop: compiled code there during warm-up counts as reading every parameter.
+        ddp_module = train_ddp(base, backend, data, rank)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    model, optimizer = commsched.prepare(torch.compile(base, backend=counter),
+                                         OPTIMIZERS[OPTIMIZER](base.parameters()))
+    graphs = []
+    for x, y in data:
+        share_loss(model, x, y)(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(counter.frame_count)
+        one_process_step(reference_optimizer, share_loss(reference, x, y), world_size)
+    assert graphs[:RECORDED] == [0] * RECORDED, f"graphs compiled by the end of each iteration: {graphs}"
+    assert graphs[RECORDED] > 0 and graphs[RECORDED:] == [graphs[RECORDED]] * (ITERATIONS - RECORDED), (
+        f"compiled once after warm-up, never again: {graphs}")
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    # The original module's own state_dict(), first: it waits for the updates still pending under forward overlap.
+    original = {key: value.clone() for key, value in base.state_dict().items()}
+    assert list(model.state_dict()) == ["_orig_mod." + key for key in reference.state_dict()]
+    compared = 0
+    for (name, _), want in zip(base.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(original[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        compared += 1
+    if ddp_module is not None:
+        for (name, got), ddp in zip(base.state_dict().items(), ddp_module.state_dict().values(), strict=True):
+            torch.testing.assert_close(got, ddp, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n} (DDP): {m}")
+            compared += 1
+    assert compared >= (50 if against_ddp else 20), compared
+    commsched.release(model)
+
+
+def case_compiled_submodule(rank: int, world_size: int) -> None:
+    """A compiled submodule (``model.blocks.compile()``): eager while warm-up records, compiled after, and
+    one process's parameters."""
+    torch.manual_seed(0)
+    base = TinyResNet()
+    reference, reference_optimizer = reference_copy(base, OPTIMIZERS[OPTIMIZER])
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    base.blocks.compile(backend=counter)
+    model, optimizer = commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()))
+    graphs = []
+    for x, y in batches(world_size):
+        share_loss(model, x, y)(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(counter.frame_count)
+        one_process_step(reference_optimizer, share_loss(reference, x, y), world_size)
+    assert graphs[:RECORDED] == [0] * RECORDED and graphs[RECORDED] > 0, graphs
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    assert list(model.state_dict()) == list(reference.state_dict())
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    commsched.release(model)
+
+
+def norm_penalty(model: torch.nn.Module) -> torch.Tensor:
+    """Not linear in the parameters, so stale values change the gradients (BatchNorm's biases start at zero)."""
+    return 0.01 * sum(((p**2).sum() + 0.01).sqrt() for p in model.parameters())
+
+
+def unseen_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """A dynamo backend whose compiled code no torch-function mode sees, as compiled kernels are not seen
+    (aot_eager's and inductor's wrappers happen to touch their inputs eagerly)."""
+    def run(*args: torch.Tensor):
+        with torch._C.DisableTorchFunction():
+            return graph(*args)
+
+    return run
+
+
+def case_compiled_penalty_before_forward(rank: int, world_size: int) -> None:
+    """A compiled penalty reads the parameters before the forward pass: warm-up cannot see what compiled
+    code reads, so every bucket is updated at ``step()``, and training stays one process's."""
+    torch.manual_seed(0)
+    base = TinyResNet()
+    reference, reference_optimizer = reference_copy(base, OPTIMIZERS[OPTIMIZER])
+    torch._dynamo.reset()
+    model, optimizer = commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()))
+    penalty = torch.compile(functools.partial(norm_penalty, model), backend=unseen_backend)
+    for x, y in batches(world_size):
+        share_loss(model, x, y, penalty)(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        one_process_step(reference_optimizer, share_loss(reference, x, y, lambda: norm_penalty(reference)),
+                         world_size)
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    optimizer.synchronize()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    commsched.release(model)
+
+
+def case_compiled_whole_is_refused(rank: int, world_size: int) -> None:
+    """``model.compile()`` compiles the model's whole call, commsched's hooks on it included: ``prepare()``
+    refuses it, naming the fix."""
+    torch.manual_seed(0)
+    model = TinyResNet()
+    model.compile(backend="eager")
+    with pytest.raises(RuntimeError, match=r"model\.compile\(\).*commsched\.prepare\(torch\.compile\(model\)"):
+        commsched.prepare(model, OPTIMIZERS[OPTIMIZER](model.parameters()))
+    assert not isinstance(model, commsched.CommschedModule)
+
+
+def case_compiled_after_prepare_is_refused(rank: int, world_size: int, how: str) -> None:
+    """Compiling the prepared model would compile commsched's hooks and the warm-up's recording: its first
+    forward pass refuses it, naming the fix."""
+    torch.manual_seed(0)
+    base = TinyResNet()
+    model, _ = commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()))
+    if how == "torch.compile":
+        model = torch.compile(model, backend="eager")
+    else:
+        model.compile(backend="eager")
+    x, _ = batches(world_size)[0]
+    with pytest.raises(RuntimeError, match=r"compiled after commsched\.prepare\(\).*prepare\(torch\.compile"):
+        model(x[:PER_RANK])
+    commsched.release(base)
+
+
+def compile_grid(rank: int, world_size: int) -> None:
+    cases = {
+        "torch.compile then prepare, aot_eager": functools.partial(
+            case_trains_as_one_process, rank, world_size, "aot_eager", True),
+        # Inductor compiles for seconds here: one case, against one process only.
+        "torch.compile then prepare, inductor": functools.partial(
+            case_trains_as_one_process, rank, world_size, "inductor", False),
+        "compiled submodule": functools.partial(case_compiled_submodule, rank, world_size),
+        "compiled penalty before the forward pass": functools.partial(
+            case_compiled_penalty_before_forward, rank, world_size),
+        "Module.compile then prepare: refused": functools.partial(case_compiled_whole_is_refused, rank, world_size),
+    }
+    for how in ("torch.compile", "Module.compile"):
+        cases[f"prepare then {how}: refused"] = functools.partial(
+            case_compiled_after_prepare_is_refused, rank, world_size, how)
+    try:
+        run_subtests(cases)
+    finally:
+        torch._dynamo.reset()
+
+
+@in_shared_ranks(compile_grid, 2, timeout_s=300)
+def test_compiled_models(shared_ranks):
+    shared_ranks.result()
