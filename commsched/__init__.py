@@ -36,7 +36,7 @@ transport / update policy
 
 from commsched.api import ServingFinished, prepare, release, serve, status
 from commsched.engine.lifecycle import Lifecycle
-from commsched.errors import CommunicationTimeout
+from commsched.errors import CommunicationTimeout, NonFiniteGradients
 from commsched.layout.buckets import compute_bucket_assignment_by_size
 from commsched.prepared.module import CommschedModule
 from commsched.prepared.optimizer import CommschedOptimizer
@@ -50,6 +50,7 @@ __all__ = [
     "CommschedOptimizer",
     "CommunicationTimeout",
     "Lifecycle",
+    "NonFiniteGradients",
     "ParameterServer",
     "ServingFinished",
     "Status",

@@ -85,7 +85,8 @@ def prepare(
         groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)
         policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                              overlap_forward=strategy.overlap_forward)
-        reducer = GradientReducer(model, config, AllReduceTransport(group), policy, groups)
+        transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype)
+        reducer = GradientReducer(model, config, transport, policy, groups)
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it

@@ -94,3 +94,8 @@ def abandon_process_groups(groups: Iterable[dist.ProcessGroup | None], *, abort:
                 pass
         # A reference nothing ever drops: the interpreter's finalization cannot free it either.
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+class NonFiniteGradients(RuntimeError):
+    """Some rank's gradients held inf or NaN (``Strategy(check_finite="raise")``); the step was skipped
+    on every rank. The message names the ranks and the parameters whose averaged gradients hold them."""

@@ -28,6 +28,10 @@ class BucketStatus:
     priority: int
     """The forward position of its earliest parameter (lower is more urgent)."""
     partitions: int
+    reduce_dtype: str = ""
+    """The dtype it is summed in across ranks: its own, or `commsched.Strategy.reduce_dtype`'s."""
+    wire_nbytes: int = 0
+    """Bytes it puts on the wire per all-reduce (``nbytes`` unless summed in another dtype)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ class Status:
             f"  forward overlap: {overlap}",
             f"  partitioning: {self.partitioning}",
         ]
+        reduction = _reduction(self.buckets)
+        if reduction:
+            lines.append(f"  reduction: {reduction}")
         if self.tuning is not None:
             lines.append(self.tuning.describe())
         if self.updated_at_step or self.updated_after_forward:
@@ -156,8 +163,8 @@ def reducer_status(reducer: GradientReducer) -> Status:
         for partition in layout.partitions:
             counts[partition.bucket] += 1
         buckets = tuple(
-            BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, str(b.dtype).removeprefix("torch."),
-                         priority, count)
+            BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, _dtype_name(b.dtype),
+                         priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes)
             for b, slots, priority, count in zip(layout.buckets, layout.bucket_slots, layout.priorities, counts,
                                                  strict=True)
         )
@@ -192,6 +199,24 @@ def reducer_status(reducer: GradientReducer) -> Status:
         first_bucket_mb=layout_in_use.first_bucket_mb,
         process_groups=None if groups.replicas is None else replace(groups),
     )
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _reduction(buckets: tuple[BucketStatus, ...]) -> str:
+    """Which gradients are summed in another dtype than their own, and the bytes on the wire."""
+    changed: dict[tuple[str, str], list[BucketStatus]] = {}
+    for bucket in buckets:
+        if bucket.reduce_dtype and bucket.reduce_dtype != bucket.dtype:
+            changed.setdefault((bucket.dtype, bucket.reduce_dtype), []).append(bucket)
+    parts = []
+    for (dtype, reduce_dtype), group in changed.items():
+        ratio = sum(b.wire_nbytes for b in group) / sum(b.nbytes for b in group)
+        buckets = f"{len(group)} bucket{'s' if len(group) > 1 else ''}"
+        parts.append(f"{dtype} gradients summed in {reduce_dtype} ({buckets}, {ratio:g}x their bytes on the wire)")
+    return "; ".join(parts)
 
 
 _PHASES = {Phase.TUNING: "tuning", Phase.TUNED: "tuned", Phase.RETUNING: "re-tuning", Phase.STOPPED: "stopped"}

@@ -5,11 +5,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, fields
 
+import torch
+
 from commsched.validation import (
     Range,
     check_bool,
     check_choice,
     check_directory,
+    check_dtype,
     check_in_range,
     check_int,
     check_servers,
@@ -36,6 +39,13 @@ millisecond would round to none at all."""
 
 MAX_AUTOTUNE_ITERATIONS = 100_000
 """Longest search: beyond it the run would be mostly measuring."""
+
+REDUCE_DTYPES = (torch.float32, torch.bfloat16)
+"""What `Strategy.reduce_dtype` may name besides None: summing 16-bit gradients in float32, or
+sending float32 ones as bfloat16 (which has float32's range, so scaled gradients do not overflow)."""
+
+CHECK_FINITE_MODES = ("skip", "raise")
+"""What `Strategy.check_finite` may be besides None."""
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest timeout, a week: far beyond any real wait, and representable by
@@ -158,6 +168,41 @@ class Strategy:
     """Update SGD, Adam and AdamW parameters bucket by bucket with torch's fused
     kernels (``fused=True``) instead of the optimizer's own per-tensor loop."""
 
+    reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are summed in across ranks (the name and meaning of torch FSDP2's
+    ``MixedPrecisionPolicy.reduce_dtype``). None: each gradient in its parameter's dtype.
+
+    ``torch.float32``: bfloat16 and float16 gradients are summed in float32, as Megatron-LM's
+    ``grad_reduce_in_fp32``: each bucket is copied into a float32 buffer of its own (4 bytes
+    per element more), divided by the world size there and all-reduced, and the sum is
+    rounded once into ``param.grad``, which keeps the parameter's dtype (torch.optim's Adam
+    refuses float32 gradients on a bfloat16 parameter), so the update is torch.optim's on
+    that gradient. Micro-batches under ``no_sync()`` accumulate in ``param.grad``, as
+    autograd accumulates them in one process.
+
+    ``torch.bfloat16``: float32 gradients go on the wire as bfloat16, half the bytes (torch
+    DDP's ``bf16_compress_hook``). Each rank divides its gradient by the world size in
+    float32 and rounds it once to bfloat16 (the hook rounds first and divides in bfloat16);
+    the sum on the wire is bfloat16, as the hook's (gloo and NCCL add in the dtype they
+    are given); the result is written back into the float32 bucket, so ``param.grad``,
+    accumulation under ``no_sync()`` and the update stay float32. Each rounding is within
+    2**-9 of the value rounded (docs/benchmarks.md measures what that does to training).
+
+    Other dtypes are never changed (float64 gradients stay float64). All-reduce backend
+    only. ``commsched.status(model)`` shows each bucket's dtype on the wire."""
+
+    check_finite: str | None = None
+    """Check each bucket's gradients for inf and NaN on every rank before they go on the
+    wire, where one rank's would spread to all (torch DDP sends them on). None: no check.
+    ``"skip"``: a step where some rank found one changes nothing, on every rank (parameters
+    and optimizer state, as a ``GradScaler`` skips a step), and a warning names the ranks
+    and the parameters. ``"raise"``: the same step is skipped, then `NonFiniteGradients`
+    is raised at the next synchronisation (the next backward pass, ``optimizer.synchronize()``,
+    or ``step()`` without forward overlap). The check runs on the device, without waiting
+    for it; the verdict travels in the last bucket's collective, so every update waits for
+    that bucket's reduction. Under a ``GradScaler`` its own check rules. All-reduce backend only.
+    See [Note: non-finite gradients] in commsched/engine/finite.py."""
+
     trace_dir: str | None = None
     """Write a timeline per rank (``rank<N>.json``, Chrome trace format) into this
     directory: forward and backward per module, per partition its queue and wire
@@ -222,12 +267,26 @@ class Strategy:
         check_in_range("partition_mb", self.partition_mb, _PARTITION_MB, optional=True)
         check_in_range("credit_mb", self.credit_mb, _PARTITION_MB, optional=True)
         check_directory("trace_dir", self.trace_dir)
+        check_dtype("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         for name in ("broadcast_buffers", "priority", "adaptive", "overlap_forward", "fuse_optimizer", "autotune"):
             check_bool(name, getattr(self, name))
         check_int("autotune_iterations", self.autotune_iterations, 4, MAX_AUTOTUNE_ITERATIONS)
         check_int("autotune_trial_iterations", self.autotune_trial_iterations, 1, 100)
         check_int("autotune_seed", self.autotune_seed, 0, 2**32 - 1)
         self._normalize_backend()
+        if self.check_finite is not None:
+            check_choice("Strategy.check_finite", self.check_finite, CHECK_FINITE_MODES)
+            if self.parameter_server:
+                raise ValueError(
+                    f"Strategy.check_finite={self.check_finite!r} applies to the all-reduce backend; with "
+                    "ParameterServer(...) leave it at None (the servers sum what the workers push)"
+                )
+        if self.reduce_dtype is not None and self.parameter_server:
+            raise ValueError(
+                f"Strategy.reduce_dtype={self.reduce_dtype} applies to the all-reduce backend; parameter "
+                "servers sum each gradient in its parameter's dtype: leave reduce_dtype at None with "
+                "ParameterServer(...), or use backend=AllReduce()"
+            )
         if self.autotune:
             self._check_autotune()
 

@@ -9,6 +9,8 @@ import math
 import os
 from dataclasses import dataclass
 
+import torch
+
 
 def check_servers(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,3 +77,14 @@ def check_bool(name: str, value: object) -> None:
         raise ValueError(
             f"Strategy.{name} must be True or False, got {value!r} ({type(value).__name__})"
         )
+
+
+def check_dtype(name: str, value: object, allowed: tuple[torch.dtype, ...]) -> None:
+    """None, or one of ``allowed``: a ``torch.dtype`` itself (``"bfloat16"`` is refused, naming
+    ``torch.bfloat16``), so that a value compares equal on every rank and prints as torch prints it."""
+    if value is None or (isinstance(value, torch.dtype) and value in allowed):
+        return
+    meant = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else None
+    hint = f"; write {meant} (a torch.dtype, not a string)" if meant in allowed else ""
+    names = ", ".join(map(str, allowed))
+    raise ValueError(f"Strategy.{name} must be None or one of {names}, got {value!r} ({type(value).__name__}){hint}")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from commsched.comm.heartbeat import Heartbeat
+from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet
@@ -37,11 +39,12 @@ class _WorkHandle:
             wait_or_raise(
                 self._work, timeout_s,
                 f"the all-reduce of gradient bucket {bucket.index} (elements {self._start}:{self._end} "
-                f"of {bucket.flat.numel()}, {bucket.nbytes} bytes in all)",
+                f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)",
             )
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
+        copy_back(bucket, self._start, self._end)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -52,13 +55,17 @@ class _WorkHandle:
 
 class AllReduceTransport:
     """Averages gradients: each bucket is divided by the world size, then summed with
-    ``all_reduce(async_op=True)``, partition by partition, on zero-copy slices."""
+    ``all_reduce(async_op=True)``, partition by partition, on zero-copy slices (of a
+    buffer of ``reduce_dtype`` where the gradients' dtype differs, see
+    `commsched.comm.reduce_dtype`)."""
 
     sums_usage_flags = True
     join_refusal = None
 
-    def __init__(self, process_group: dist.ProcessGroup):
+    def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None):
+        """``reduce_dtype``: `commsched.Strategy.reduce_dtype`."""
         self.process_group = process_group
+        self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
         self.is_local = self.world_size == 1
         self._backend_name = str(dist.get_backend(process_group))
@@ -66,14 +73,17 @@ class AllReduceTransport:
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         buckets = bucket_set.buckets
+        if not self.is_local:  # one replica: nothing is summed
+            for bucket in buckets:
+                bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
         return make_partitions(
-            [b.flat.numel() for b in buckets], [b.flat.element_size() for b in buckets],
+            [b.wire.numel() for b in buckets], [b.wire.element_size() for b in buckets],
             bucket_set.priorities, None if self.is_local else partition_bytes,  # one replica: nothing on the wire
         )
 
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size > 1:
-            bucket.flat[: bucket.grad_numel].div_(self.world_size)
+            average_onto_wire(bucket, self.world_size)
 
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
         if self._heartbeat is not None:
@@ -96,7 +106,9 @@ class AllReduceTransport:
 
     def describe(self) -> TransportStatus:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
-        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name})")
+        summed = self.reduce_dtype is not None and not self.is_local
+        reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype})")
 
     def finish(self) -> None:
         if self._heartbeat is not None:

@@ -42,6 +42,7 @@ from commsched.comm.transport import Handle, Transport
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
 from commsched.engine.events import Observer
+from commsched.engine.finite import FiniteCheck
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -78,12 +79,15 @@ class BackwardPass:
         timeout_s: float,
         overlapping: bool,
         held_buckets: frozenset[int] | None = None,
+        finite_check: FiniteCheck | None = None,
     ):
+        """``finite_check``: `Strategy.check_finite` (see [Note: non-finite gradients])."""
         self.iteration = iteration
         self.overlapping = overlapping
         """Forward overlap is on for this pass: ``step()`` releases the updates to the gates."""
         self._layout, self._transport, self._policy, self._events = layout, transport, policy, events
         self._timeout_s = timeout_s
+        self._finite = finite_check
         num_buckets, num_slots = len(layout.buckets), len(layout.params)
         self._pending = list(layout.bucket_param_counts)
         self._ready = [False] * num_slots
@@ -157,9 +161,14 @@ class BackwardPass:
     def _bucket_ready(self, index: int) -> None:
         layout = self._layout
         bucket = layout.buckets[index]
+        if self._finite is not None:
+            self._finite.check(bucket)
         self._transport.bucket_ready(bucket)
         if index == layout.flags_bucket and bucket.tail.numel():
-            bucket.tail.copy_(_host_tensor(self.has_grad, bucket.tail), non_blocking=True)
+            usage = bucket.tail[:len(self.has_grad)]
+            usage.copy_(_host_tensor(self.has_grad, usage), non_blocking=True)
+            if self._finite is not None:
+                self._finite.write_slots(bucket.tail[len(self.has_grad):])
         self._launch_versions[index] = bucket.flat._version
         self._events.bucket_ready(index)
         self._dispatcher.bucket_ready(index)
@@ -211,11 +220,13 @@ class BackwardPass:
     def _complete_bucket(self, bucket: int) -> None:
         if not self._reduced[bucket]:
             self._wait_reduced(bucket)
-        if not self._flags_settled and (bucket == self._layout.flags_bucket or self._unowned_slots):
+        if not self._flags_settled and (
+            bucket == self._layout.flags_bucket or self._unowned_slots or self._finite is not None
+        ):
             self._settle_flags()
         if self.hyperparameters is not None and not self._updated[bucket]:
             started = time.perf_counter()
-            self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.scaling)
+            self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.update_scaling)
             finished = time.perf_counter()
             self.figures.update_s += finished - started
             self._events.bucket_updated(bucket, started, finished)
@@ -242,9 +253,11 @@ class BackwardPass:
         if not self._reduced[flags]:
             self._wait_reduced(flags)
         self._flags_settled = True
+        tail = layout.buckets[flags].tail
+        if self._finite is not None:
+            self._finite.settle(tail[len(layout.params):], self._names_of_nonfinite)
         if not self._unowned_slots:
             return
-        tail = layout.buckets[flags].tail
         if not tail.numel():
             # The servers were told with each push; this rank keeps its own grad=None.
             self._unowned_slots = []
@@ -258,6 +271,51 @@ class BackwardPass:
                 layout.params[slot].grad = layout.views[slot]
         self._globally_unused = frozenset(unused)
         self._unowned_slots = []
+
+    @property
+    def update_scaling(self) -> GradScaling | None:
+        """What each update takes as its ``found_inf``: a ``GradScaler``'s verdict, or the finite check's."""
+        if self.scaling is not None or self._finite is None:
+            return self.scaling
+        if not self._flags_settled:
+            self._settle_flags()
+        return self._finite.verdict
+
+    @property
+    def skipped_as_nonfinite(self) -> bool:
+        """`Strategy.check_finite` found inf or NaN on some rank, and no ``GradScaler`` rules (a host read)."""
+        verdict = self.update_scaling
+        return self._finite is not None and self.scaling is None and verdict is not None and verdict.skipped
+
+    def gradients_hold_nonfinite(self) -> bool:
+        """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for param in self._layout.params:
+            if param.grad is not None:
+                groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+        for (device, _), grads in groups.items():  # the kernel takes one device and dtype at a time
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=device))
+            if found.item():
+                return True
+        return False
+
+    def _names_of_nonfinite(self) -> list[str]:
+        """The parameters whose averaged gradients hold inf or NaN (waits for every reduction)."""
+        layout = self._layout
+        for bucket in range(len(layout.buckets)):
+            if not self._reduced[bucket]:
+                self._wait_reduced(bucket)
+        return [name for name, view in zip(layout.names, layout.views, strict=True) if not torch.isfinite(view).all()]
+
+    def report_nonfinite(self, block: bool) -> None:
+        """With `Strategy.check_finite`: raise or warn if some rank's gradients held inf or NaN.
+
+        Nothing under a ``GradScaler``, whose own verdict rules. ``block``: on a GPU, wait
+        for the verdict to reach the host (else, if it has not yet, tell later)."""
+        if self._finite is not None and self.scaling is None and self._flags_settled:
+            layout = self._layout
+            self._finite.report(lambda b: [layout.names[slot] for slot in layout.bucket_slots[b]], block)
 
     # -------------------------------------------------------------------- step
     def release_updates(self, hyperparameters: Hyperparameters, scaling: GradScaling | None = None) -> None:

@@ -33,6 +33,8 @@ class RunConfig:
     tuning: TuningConfig | None
     """``Strategy(autotune=True)``: the search's budget and seed; None: no auto-tuning."""
     broadcast_buffers: bool
+    check_finite: str | None
+    """``Strategy.check_finite``: None, ``"skip"`` or ``"raise"``."""
     timeout_s: float
     trace_dir: str | os.PathLike | None
     block_mb: float | None = None
@@ -48,6 +50,7 @@ class RunConfig:
             adaptive=strategy.cost_model_picks_partitioning,
             tuning=TuningConfig.of(strategy) if strategy.autotune else None,
             broadcast_buffers=strategy.broadcast_buffers,
+            check_finite=strategy.check_finite,
             timeout_s=strategy.timeout_s,
             trace_dir=strategy.trace_dir,
             block_mb=backend.block_mb if isinstance(backend, ParameterServer) else None,

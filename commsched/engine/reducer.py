@@ -34,6 +34,7 @@ from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.config import RunConfig
+from commsched.engine.finite import FiniteCheck
 from commsched.engine.events import EventBus
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
@@ -169,6 +170,7 @@ class GradientReducer:
         layout = build_layout(
             self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
             lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
+            verdict_slots=transport.world_size if config.check_finite else 0,
         )
         self.layout = layout
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), config.credit_bytes)
@@ -292,6 +294,8 @@ class GradientReducer:
             self.policy.before_backward(self.current is not None and not self.current.stepped)
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
+        if self.current is not None:
+            self.current.report_nonfinite(block=True)
         if self.layout is None:
             self._build(list(range(len(self.params))), {})
         self._phase = Phase.BACKWARD if synchronised else Phase.ACCUMULATING
@@ -319,10 +323,14 @@ class GradientReducer:
         elif self._layout_may_change(iteration):
             new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
+        finite_check = None
+        if self.config.check_finite is not None:
+            finite_check = FiniteCheck(self.config.check_finite, dist.get_rank(self.groups.replicas),
+                                       self.transport.world_size, iteration)
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.config.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
-            held_buckets=self._held_buckets(),
+            held_buckets=self._held_buckets(), finite_check=finite_check,
         )
         self.current.views_handed = self._views_ahead.taken()
         self._events.iteration_started(iteration)
@@ -465,16 +473,21 @@ class GradientReducer:
             # holds now (nothing, for None), so the optimizer's own step does, once
             # this pass is finished.
             self.synchronize()
-            self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
+            if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
+                self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
             current.stepped = True
             current.mark_updated()
             return
         if not self.policy.per_bucket:
+            if current is not None:
+                current.scaling = scaling
             self.synchronize()
-            optimizer_step()
+            if current is None or not current.skipped_as_nonfinite:
+                optimizer_step()
             if current is not None:
                 current.stepped = True
                 current.mark_updated()
+                current.report_nonfinite(block=True)
             return
         if current is None:
             return
@@ -496,6 +509,7 @@ class GradientReducer:
                     self._overlap_blocked = reason
                     logger.warning("commsched: overlap_forward is off from now on: %s", reason)
             self.synchronize()
+            current.report_nonfinite(block=True)
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         self._end_deferred_backward()

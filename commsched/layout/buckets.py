@@ -2,7 +2,8 @@
 
 Each bucket owns one contiguous buffer of a single dtype and device, and every
 parameter's ``.grad`` is a view into it, so autograd accumulates straight into
-the memory that goes on the wire: no copy before or after a reduction.
+the memory that goes on the wire: no copy before or after a reduction (unless
+the gradients are summed in another dtype, `Bucket.reduce_in`).
 """
 
 from __future__ import annotations
@@ -106,20 +107,44 @@ class Bucket:
         """The buffer as transports write it: the same memory with a version counter of its
         own. A backend that writes results back with an in-place copy (gloo with CUDA
         tensors) then bumps only this one, so the gradient-touch guard, which reads
-        ``flat``'s counter (shared by the gradient views), sees only the user's writes."""
+        ``flat``'s counter (shared by the gradient views), sees only the user's writes.
+        After `reduce_in` another dtype, a buffer of its own."""
+
+    def reduce_in(self, dtype: torch.dtype) -> None:
+        """Sum this bucket's gradients in ``dtype`` (`commsched.Strategy.reduce_dtype`).
+
+        ``param.grad`` must keep the parameter's dtype, so the gradients stay where they
+        are and ``wire`` becomes a buffer of ``dtype`` as long as ``flat``; the transport
+        casts into it and back (`commsched.comm.reduce_dtype`). The flags ``tail`` moves
+        there, since it is written after the cast and read after the sum.
+        """
+        if dtype == self.dtype:
+            return
+        self.wire = torch.zeros(self.flat.numel(), dtype=dtype, device=self.flat.device)
+        self.tail = self.wire[self.grad_numel:]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
     @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype the bucket is summed in across ranks."""
+        return self.wire.dtype
+
+    @property
+    def wire_nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+    @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
     def __repr__(self) -> str:
+        wire = "" if self.wire_dtype == self.dtype else f", reduced in {self.wire_dtype}"
         return (
             f"Bucket(index={self.index}, params={len(self.params)}, "
-            f"dtype={self.dtype}, bytes={self.nbytes})"
+            f"dtype={self.dtype}, bytes={self.nbytes}{wire})"
         )
 
 

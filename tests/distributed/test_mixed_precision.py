@@ -7,10 +7,18 @@ clipping, for every update path (fused per bucket, per bucket with the param
 group's own kernel, the user's optimizer stepping itself with and without its
 own scaling support). Infs come from the data, so one process sees them too.
 ``tests/gpu/`` runs the same cases on CUDA.
+
+``Strategy(reduce_dtype=...)``: 16-bit parameters summed in float32 and float32
+parameters sent as bfloat16, against one process whose gradients are summed the
+same way (`reduce_like_strategy`), through every scheduling path, ``no_sync``,
+a ``GradScaler`` and unused parameters; bfloat16 on the wire also against one
+float32 process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 
 import pytest
@@ -19,9 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import commsched
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.engine.reducer import ONE_REPLICA_REASON
-from commsched.testing import OPTIMIZERS, one_process_loss, reference_copy, run_subtests
+from commsched.testing import OPTIMIZERS, assert_same_parameters, one_process_loss, reference_copy, run_subtests
+from commsched.testing.models import ParityNet
 from commsched.update.grad_scaling import GRAD_SCALER_REASON
+from tests.distributed.test_allreduce_parity import batches, rank_slice, uses_aux
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
@@ -174,4 +185,258 @@ def test_mixed_precision_matches_one_process(shared_ranks):
 @in_shared_ranks(mixed_precision_cases, 1, timeout_s=400)
 def test_mixed_precision_one_rank(shared_ranks):
     """The cases tests/gpu runs on one NCCL rank, here on CPU."""
+    shared_ranks.result()
+
+
+# ------------------------------------------------------------------------------ reduce_dtype
+REDUCE_ITERATIONS = WARMUP_ITERATIONS + 3
+"""Past warm-up and the plan: forward overlap is on where it may be."""
+SUMMED_IN_FLOAT32 = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+SENT_AS_BFLOAT16 = {torch.float32: torch.bfloat16}
+"""Per parameter dtype, the dtype ``Strategy(reduce_dtype=...)`` sums it in (float64 keeps its own)."""
+REDUCE_STRATEGIES = {
+    "default": {},
+    "no overlap": {"overlap_forward": False},
+    "unfused, no overlap": {"fuse_optimizer": False, "overlap_forward": False},
+    "small partitions, no priority": {"partition_mb": 0.0005, "credit_mb": 0.001, "adaptive": False,
+                                      "priority": False},
+    "small partitions": {"partition_mb": 0.0005, "credit_mb": 0.001, "adaptive": False},
+}
+"""Small partitions cut each bucket into several all-reduces, each copied back on its own."""
+BFLOAT16_WIRE_ERROR = 2e-2
+"""Largest parameter error of bfloat16 on the wire against one float32 process after
+`REDUCE_ITERATIONS` steps, relative to how far training moved the parameter."""
+
+
+def parity_net(dtype: torch.dtype) -> nn.Module:
+    """`ParityNet` (a float64 parameter, one unused on some ranks or all, one never used) with
+    its float32 parameters in ``dtype``."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def backward_of_share(model, x, y, iteration, r, micro_batches=1, scaler=None):
+    """Rank ``r``'s backward on its slice, in ``micro_batches`` pieces (all but the last under
+    ``no_sync()`` where the model has it), routed as rank ``r`` routes it."""
+    dtype = model.embed.weight.dtype
+    xs, ys = x[rank_slice(r)].to(dtype).chunk(micro_batches), y[rank_slice(r)].chunk(micro_batches)
+    for index, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
+        last = index == micro_batches - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            loss = F.mse_loss(model(xm, use_aux=uses_aux(iteration, r)), ym) / micro_batches
+            (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+def reduce_like_strategy(model, backward, world_size, wire):
+    """One process: each share's gradient summed as `Strategy.reduce_dtype` sums it on two ranks.
+
+    ``backward(r)``: share ``r``'s backward. ``wire``: per parameter dtype, the dtype it is summed
+    in (absent: its own). Each share is divided by ``world_size`` in the wider of the two dtypes
+    and cast once (a missing gradient counts as zeros), the shares are added in the wire's dtype
+    (for bfloat16, torch and gloo add in float32 and round), and the sum is rounded once to the
+    parameter's dtype. A parameter no share has a gradient for keeps ``grad=None``.
+    """
+    params = list(model.parameters())
+    shares = []
+    for r in range(world_size):
+        model.zero_grad(set_to_none=True)
+        backward(r)
+        shares.append([p.grad for p in params])
+    for index, param in enumerate(params):
+        grads = [share[index] for share in shares]
+        if all(g is None for g in grads):
+            param.grad = None
+            continue
+        to = wire.get(param.dtype, param.dtype)
+        widen = torch.finfo(to).bits > torch.finfo(param.dtype).bits
+        parts = [g.to(to) / world_size if widen else (g / world_size).to(to)
+                 for g in (torch.zeros_like(param) if g is None else g for g in grads)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        param.grad = total.to(param.dtype)
+
+
+def parameter_error(model: nn.Module, reference: nn.Module, initial: dict[str, torch.Tensor]) -> float:
+    """The largest difference from ``reference``, per parameter relative to how far training moved it."""
+    model.state_dict()  # waits for pending updates
+    errors = []
+    for (name, a), (_, e) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        moved = (e.double() - initial[name].double()).abs().max().item()
+        if moved > 0:
+            errors.append((a.double() - e.double()).abs().max().item() / moved)
+    assert errors, "training moved no parameter"
+    return max(errors)
+
+
+def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label, micro_batches=1, scaled=False):
+    """``Strategy(reduce_dtype=...)`` against one process whose gradients are summed the same way.
+
+    Summed in float32 (16-bit parameters): bit for bit, parameters and optimizer state, since
+    the update is torch.optim's on the same gradient. Sent as bfloat16 (float32 parameters): to
+    float tolerance where the update is torch's fused kernel (bit for bit without it), and within
+    `BFLOAT16_WIRE_ERROR` of one float32 process. The first iteration's gradients are the
+    emulation's bit for bit. Sent as bfloat16, the emulation differs from a reduction in float32,
+    so a reduction left in the parameters' dtype fails the case; summing two bfloat16 halves in
+    float32 changes no value, so there the dtype and the bytes on the wire (`commsched.status`)
+    tell, and `float32_sum_on_three_ranks` the values.
+    """
+    wire = SUMMED_IN_FLOAT32 if reduce_dtype == torch.float32 else SENT_AS_BFLOAT16
+
+    def run() -> None:
+        model = parity_net(dtype)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        make = OPTIMIZERS[optimizer_name]
+        emulated, emulated_optimizer = reference_copy(model, make)
+        exact, exact_optimizer = reference_copy(model, make)
+        unchanged = copy.deepcopy(model)  # its gradients reduced in the parameters' own dtype
+        strategy = commsched.Strategy(reduce_dtype=reduce_dtype, **REDUCE_STRATEGIES[label])
+        model, optimizer = commsched.prepare(model, make(model.parameters()), strategy)
+        scaler, emulated_scaler = (new_scaler(), new_scaler()) if scaled else (None, None)
+        for iteration, (x, y) in enumerate(batches(world_size, REDUCE_ITERATIONS)):
+            if scaled and iteration in INF_AT:
+                x[1, 3] = float("inf")  # rank 0's sample: both skip this step
+            backward_of_share(model, x, y, iteration, rank, micro_batches, scaler)
+            reduce_like_strategy(emulated, lambda r: backward_of_share(
+                emulated, x, y, iteration, r, micro_batches, emulated_scaler), world_size, wire)
+            if iteration == 0:  # warm-up: the gradients are final when backward returns
+                reduce_like_strategy(unchanged, lambda r: backward_of_share(
+                    unchanged, x, y, iteration, r, micro_batches, emulated_scaler), world_size, {})
+                changed = 0
+                for (name, p), e, u in zip(model.named_parameters(), emulated.parameters(), unchanged.parameters(),
+                                           strict=True):
+                    assert (p.grad is None) == (e.grad is None), name
+                    if p.grad is not None:
+                        torch.testing.assert_close(p.grad, e.grad, rtol=0, atol=0, equal_nan=True,
+                                                   msg=lambda m, n=name: f"'{n}': not the gradient summed in {wire}")
+                        finite = e.grad.isfinite() & u.grad.isfinite()
+                        changed += bool((e.grad[finite] != u.grad[finite]).any())
+                assert changed > 0 or reduce_dtype == torch.float32, (
+                    "bfloat16 on the wire changed no gradient here: the case proves nothing")
+            if scaled:
+                scaler.step(optimizer)
+                scaler.update()
+                emulated_scaler.step(emulated_optimizer)
+                emulated_scaler.update()
+                assert scaler.get_scale() == emulated_scaler.get_scale()
+            else:
+                optimizer.step()
+                emulated_optimizer.step()
+            optimizer.zero_grad()
+            emulated_optimizer.zero_grad()
+            if reduce_dtype == torch.bfloat16 and not scaled:
+                reduce_like_strategy(exact, lambda r: backward_of_share(
+                    exact, x, y, iteration, r, micro_batches), world_size, {})
+                exact_optimizer.step()
+                exact_optimizer.zero_grad()
+        status = commsched.status(model)
+        figures = status.current_iteration
+        commsched.release(model)
+        overlapping = strategy.overlap_forward and not scaled
+        assert status.lifecycle is commsched.Lifecycle.OVERLAPPING if overlapping else commsched.Lifecycle.SYNCHRONOUS
+        for bucket in status.buckets:  # float64 keeps its own dtype
+            on_wire = wire.get(getattr(torch, bucket.dtype), getattr(torch, bucket.dtype))
+            assert bucket.reduce_dtype == str(on_wire).removeprefix("torch."), bucket
+            assert bucket.wire_nbytes * getattr(torch, bucket.dtype).itemsize == bucket.nbytes * on_wire.itemsize
+        assert figures.bytes_issued == sum(b.wire_nbytes for b in status.buckets)
+        assert f"gradients summed in {str(reduce_dtype).removeprefix('torch.')}" in status.describe()
+        if reduce_dtype == torch.float32 or not strategy.fuse_optimizer:
+            for (name, a), e in zip(model.named_parameters(), emulated.parameters(), strict=True):
+                assert torch.equal(a, e), f"'{name}' differs by up to {(a - e).abs().max().item():.3g}"
+            state, emulated_state = optimizer.state_dict()["state"], emulated_optimizer.state_dict()["state"]
+            assert state.keys() == emulated_state.keys() and state
+            for index, entries in emulated_state.items():
+                for key, value in entries.items():
+                    assert torch.equal(state[index][key], value), f"state[{index}][{key!r}] differs"
+        else:
+            assert_same_parameters(model, emulated, rtol=1e-5, atol=1e-6)
+        if reduce_dtype == torch.bfloat16 and not scaled:
+            error = parameter_error(model, exact, initial)
+            assert parameter_error(emulated, exact, initial) > 1e-4, "bfloat16 on the wire left no trace"
+            assert error < BFLOAT16_WIRE_ERROR, f"parameter error {error:.3g} against one float32 process"
+
+    return run
+
+
+def case_reduce_dtype_differs(rank):
+    def run() -> None:
+        model = parity_net(torch.float32)
+        strategy = commsched.Strategy(reduce_dtype=torch.bfloat16 if rank == 1 else None)
+        with pytest.raises(ValueError, match=r"different Strategy.reduce_dtype on different ranks: None on rank\(s\) "
+                                             r"\[0\]; torch.bfloat16 on rank\(s\) \[1\]"):
+            commsched.prepare(model, OPTIMIZERS["sgd_momentum"](model.parameters()), strategy)
+
+    return run
+
+
+def reduce_dtype_cases(rank: int, world_size: int) -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    run_subtests({
+        "summed in float32/bfloat16/sgd_momentum/default": case_reduced_in(
+            rank, world_size, bf16, f32, "sgd_momentum", "default"),
+        "summed in float32/bfloat16/adam_eps_1e-4/small partitions": case_reduced_in(
+            rank, world_size, bf16, f32, "adam_eps_1e-4", "small partitions"),
+        "summed in float32/float16/sgd_momentum/no overlap": case_reduced_in(
+            rank, world_size, torch.float16, f32, "sgd_momentum", "no overlap"),
+        "summed in float32/bfloat16/adamw_eps_1e-4/no_sync": case_reduced_in(
+            rank, world_size, bf16, f32, "adamw_eps_1e-4", "default", micro_batches=2),
+        "summed in float32/bfloat16/sgd_momentum/GradScaler": case_reduced_in(
+            rank, world_size, bf16, f32, "sgd_momentum", "default", scaled=True),
+        "sent as bfloat16/sgd_momentum/default": case_reduced_in(
+            rank, world_size, f32, bf16, "sgd_momentum", "default"),
+        "sent as bfloat16/adam/small partitions, no priority": case_reduced_in(
+            rank, world_size, f32, bf16, "adam", "small partitions, no priority"),
+        "sent as bfloat16/adam/unfused, no overlap": case_reduced_in(
+            rank, world_size, f32, bf16, "adam", "unfused, no overlap"),
+        "sent as bfloat16/sgd_momentum/no_sync": case_reduced_in(
+            rank, world_size, f32, bf16, "sgd_momentum", "default", micro_batches=2),
+        "sent as bfloat16/sgd_momentum/GradScaler": case_reduced_in(
+            rank, world_size, f32, bf16, "sgd_momentum", "default", scaled=True),
+        "ranks disagree": case_reduce_dtype_differs(rank),
+    })
+
+
+@in_shared_ranks(reduce_dtype_cases, 2, timeout_s=240)
+def test_reduce_dtype_matches_one_process_reducing_alike(shared_ranks):
+    shared_ranks.result()
+
+
+def float32_sum_on_three_ranks(rank: int, world_size: int) -> None:
+    """From three ranks on, summing bfloat16 gradients in float32 changes their values (a division
+    by 3, two additions, each rounded in bfloat16 otherwise). gloo adds three ranks' float32
+    values in an order of its own, which moves the float32 sum by an ulp and, rarely, its
+    rounding to bfloat16: so the gradients are the float32 emulation's on all but a few
+    elements (within one bfloat16 ulp there), and the bfloat16 emulation's on far fewer."""
+    model = parity_net(torch.bfloat16)
+    summed_in_float32, summed_in_bfloat16 = copy.deepcopy(model), copy.deepcopy(model)
+    model, _ = commsched.prepare(model, None, commsched.Strategy(reduce_dtype=torch.float32))
+    try:
+        x, y = next(batches(world_size, 1))
+        backward_of_share(model, x, y, 0, rank)
+        for emulated, wire in ((summed_in_float32, SUMMED_IN_FLOAT32), (summed_in_bfloat16, {})):
+            reduce_like_strategy(emulated, lambda r, e=emulated: backward_of_share(e, x, y, 0, r), world_size, wire)
+        differ = {"float32": 0, "bfloat16": 0}
+        elements = 0
+        for (name, p), f, b in zip(model.named_parameters(), summed_in_float32.parameters(),
+                                   summed_in_bfloat16.parameters(), strict=True):
+            if p.grad is None or p.dtype != torch.bfloat16:
+                continue
+            ulp = torch.finfo(torch.bfloat16).eps * f.grad.float().abs()
+            assert ((p.grad.float() - f.grad.float()).abs() <= ulp).all(), f"'{name}': not summed in float32"
+            differ["float32"] += int((p.grad != f.grad).sum())
+            differ["bfloat16"] += int((p.grad != b.grad).sum())
+            elements += p.numel()
+        assert elements > 0
+        assert differ["float32"] <= elements // 100 and differ["bfloat16"] >= 10 * max(1, differ["float32"]), (
+            f"of {elements} elements, {differ} differ from the emulation summing in that dtype")
+    finally:
+        commsched.release(model)
+
+
+@in_shared_ranks(float32_sum_on_three_ranks, 3, timeout_s=120)
+def test_reduce_dtype_float32_changes_the_sum_of_three_ranks(shared_ranks):
     shared_ranks.result()

@@ -3,9 +3,11 @@
 Hypothesis draws a small model (Linear, Conv1d, Embedding and LayerNorm layers
 of random sizes; float32 and float64 parameters; frozen parameters; weights tied
 between two modules; a branch used only on some ranks and iterations, and a
-module never called), a `Strategy` and an optimizer, and trains a few
-iterations. Every rank must end with the parameters of single-process training
-on the concatenated batch, or every rank must raise a clear error. A Strategy
+module never called), a `Strategy` and an optimizer (a tensor learning rate, an
+LR scheduler), and trains a few iterations. Every rank must end with the
+parameters of single-process training on the concatenated batch (also as read
+right after the last ``step()`` through one submodule's ``state_dict()``), or
+every rank must raise a clear error. A Strategy
 with a value out of range must raise a ValueError naming the field.
 
 Spawning processes costs seconds, so hypothesis runs inside the spawned ranks:
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.optim.lr_scheduler import ExponentialLR
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
@@ -100,6 +103,9 @@ class LoopSpec:
     """``zero_grad(set_to_none=...)``."""
     clip_norm: float | None
     """``clip_grad_norm_`` between backward() and step(): gradients changed in place."""
+    read_submodule: str | None
+    """Right after the last ``step()``, this submodule's ``state_dict()`` (a backbone or a head
+    saved alone) must hold the parameters that step made."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,10 @@ class OptimizerSpec:
     weight_decay: float
     trainable_only: bool
     """Build the optimizer from trainable parameters only (else from all of them)."""
+    tensor_lr: bool
+    """``lr=torch.tensor(...)``, which the LR scheduler below changes in place after each ``step()``."""
+    scheduled: bool
+    """An ``ExponentialLR`` stepped after each ``step()``."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,7 @@ def valid_strategies(draw):
         "overlap_forward": draw(st.booleans()),
         "fuse_optimizer": draw(st.booleans()),
         "broadcast_buffers": draw(st.booleans()),
+        "check_finite": draw(st.sampled_from([None, "skip", "raise"])),
     }
 
 
@@ -181,6 +192,7 @@ INVALID = {
     "priority": [1, "yes", None],
     "overlap_forward": [0, "no"],
     "fuse_optimizer": [1.0, None],
+    "check_finite": [True, "warn"],
 }
 
 
@@ -195,8 +207,11 @@ def cases(draw, world_size):
         lr=draw(st.sampled_from([1e-3, 1e-2, 5e-2])),
         weight_decay=draw(st.sampled_from([0.0, 1e-2])),
         trainable_only=draw(st.booleans()),
+        tensor_lr=draw(st.booleans()),
+        scheduled=draw(st.booleans()),
     )
-    loop = LoopSpec(set_to_none=draw(st.booleans()), clip_norm=draw(st.sampled_from([None, None, 0.5])))
+    loop = LoopSpec(set_to_none=draw(st.booleans()), clip_norm=draw(st.sampled_from([None, None, 0.5])),
+                    read_submodule=draw(st.sampled_from([None, "blocks", "head", "aux"])))
     return Case(model=draw(model_specs(world_size)), strategy=strategy, invalid=invalid, optimizer=optimizer,
                 loop=loop, seed=draw(st.integers(0, 2**16)))
 
@@ -279,13 +294,18 @@ def make_optimizer(spec: OptimizerSpec, parameters) -> torch.optim.Optimizer:
     """The drawn optimizer over ``parameters`` (a model's), or over those that train."""
     parameters = list(parameters)
     params = [p for p in parameters if p.requires_grad or not spec.trainable_only] or parameters
+    lr = torch.tensor(spec.lr) if spec.tensor_lr else spec.lr
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=spec.weight_decay)
     if spec.name == "adamw":
-        return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay)
     momentum = 0.0 if spec.name == "sgd" else 0.9
-    return torch.optim.SGD(params, lr=spec.lr, momentum=momentum, nesterov=spec.name == "sgd_nesterov",
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=spec.name == "sgd_nesterov",
                            weight_decay=spec.weight_decay)
+
+
+def make_scheduler(spec: OptimizerSpec, optimizer: torch.optim.Optimizer) -> ExponentialLR | None:
+    return ExponentialLR(optimizer, 0.7) if spec.scheduled else None
 
 
 def data(spec: ModelSpec, seed: int, world_size: int):
@@ -321,6 +341,8 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
             commsched.prepare(model, optimizer, strategy)
         return "nothing to train"
     model, optimizer = commsched.prepare(model, optimizer, strategy)
+    scheduler = make_scheduler(case.optimizer, optimizer)
+    reference_scheduler = make_scheduler(case.optimizer, reference_optimizer)
     mine = slice(rank * spec.per_rank_batch, (rank + 1) * spec.per_rank_batch)
     for iteration, (x, tokens, y) in enumerate(data(spec, case.seed, world_size)):
         used = spec.aux_used[iteration]
@@ -328,6 +350,8 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
         clip(model, case.loop)
         optimizer.step()
         optimizer.zero_grad(set_to_none=case.loop.set_to_none)
+        if scheduler is not None:
+            scheduler.step()
 
         def loss_of_share(r, x=x, tokens=tokens, y=y, used=used):
             share = slice(r * spec.per_rank_batch, (r + 1) * spec.per_rank_batch)
@@ -337,9 +361,18 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
         clip(reference, case.loop)
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=case.loop.set_to_none)
+        if reference_scheduler is not None:
+            reference_scheduler.step()
     assert all(p.isfinite().all() for p in reference.parameters()), "the drawn example diverges on one process"
+    name = case.loop.read_submodule
+    read = None if name is None else {k: v.clone() for k, v in getattr(model, name).state_dict().items()}
     assert_equal_on_all_ranks(model)  # collective: before any check that fails on one rank alone
     assert_same_parameters(model, reference, rtol=RTOL, atol=ATOL)
+    if read is not None:
+        expected = getattr(reference, name).state_dict()
+        assert read.keys() == expected.keys(), (list(read), list(expected))
+        for key, value in expected.items():
+            torch.testing.assert_close(read[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name}.{k}: {m}")
     lifecycle = commsched.status(model).lifecycle
     commsched.release(model)
     return f"trained, {lifecycle.name.lower()}"

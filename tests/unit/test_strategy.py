@@ -6,6 +6,7 @@ import math
 import pathlib
 import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -251,7 +252,8 @@ def test_every_field_but_trace_dir_must_agree_across_ranks():
         "bucket_cap_mb": 5, "first_bucket_mb": 0.5, "broadcast_buffers": False, "priority": False,
         "partition_mb": None, "credit_mb": None, "adaptive": False, "overlap_forward": False, "fuse_optimizer": False,
         "timeout_s": 60, "backend": ParameterServer(), "autotune": True, "autotune_iterations": 20,
-        "autotune_trial_iterations": 2, "autotune_seed": 7,
+        "autotune_trial_iterations": 2, "autotune_seed": 7, "reduce_dtype": torch.float32,
+        "check_finite": "skip",
     }
     compared = {f.name for f in dataclasses.fields(Strategy)} - {"trace_dir", "num_servers", "ps_mode",
                                                                   "ps_max_staleness"}
@@ -311,3 +313,99 @@ def test_autotune_without_optuna_says_how_to_install_it(monkeypatch):
     with pytest.raises(ImportError, match=r"pip install commsched\[tune\]"):
         Strategy(autotune=True)
     assert Strategy(autotune=False).autotune is False
+
+
+# ---------------------------------------------------------------------------- reduce_dtype
+def test_reduce_dtype_takes_float32_bfloat16_or_none():
+    assert Strategy().reduce_dtype is None
+    for dtype in (torch.float32, torch.bfloat16):
+        strategy = Strategy(reduce_dtype=dtype)
+        assert strategy.reduce_dtype is dtype
+        assert f"reduce_dtype={dtype}" in strategy.describe()
+        assert dataclasses.replace(strategy, priority=False).reduce_dtype is dtype
+
+
+@pytest.mark.parametrize("value", [torch.float16, torch.float64, torch.int8, "float32", "torch.bfloat16", "bf16",
+                                   1, True])
+def test_bad_reduce_dtypes_name_the_field_and_the_choices(value):
+    with pytest.raises(ValueError) as error:
+        Strategy(reduce_dtype=value)
+    message = str(error.value)
+    assert message.startswith(f"Strategy.reduce_dtype must be None or one of torch.float32, torch.bfloat16, "
+                              f"got {value!r}")
+    if value in ("float32", "torch.bfloat16"):  # what was meant is named
+        assert f"write torch.{value.removeprefix('torch.')} (a torch.dtype, not a string)" in message
+
+
+def test_reduce_dtype_is_refused_with_parameter_servers():
+    for backend in (ParameterServer(), "ps"):
+        with pytest.raises(ValueError, match=r"Strategy.reduce_dtype=torch.bfloat16 applies to the all-reduce "
+                                             r"backend.*leave reduce_dtype at None with ParameterServer"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                Strategy(reduce_dtype=torch.bfloat16, backend=backend)
+
+
+def test_reduce_dtype_widens_16_bit_gradients_and_narrows_float32_ones_only():
+    from commsched.comm.reduce_dtype import wire_dtype
+
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+    assert [wire_dtype(d, f32) for d in (f64, f32, bf16, f16)] == [f64, f32, f32, f32]
+    assert [wire_dtype(d, bf16) for d in (f64, f32, bf16, f16)] == [f64, bf16, bf16, f16]
+    assert [wire_dtype(d, None) for d in (f64, f32, bf16, f16)] == [f64, f32, bf16, f16]
+
+
+def _bucket(dtype: torch.dtype, values: torch.Tensor, flags: int = 0):
+    from commsched.layout.buckets import Bucket
+
+    param = torch.nn.Parameter(torch.zeros(len(values), dtype=dtype))
+    bucket = Bucket(0, [param], tail_numel=flags)
+    bucket.grad_views[0].copy_(values)
+    return bucket
+
+
+def test_a_float32_gradient_goes_on_the_wire_divided_then_rounded_once():
+    """Divided in float32 and rounded once (DDP's bf16_compress_hook rounds, then divides in
+    bfloat16: twice); the sum comes back into the float32 bucket, the flags ride in the wire."""
+    from commsched.comm.reduce_dtype import average_onto_wire, copy_back
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    bucket = _bucket(torch.float32, values, flags=3)
+    bucket.reduce_in(torch.bfloat16)
+    assert bucket.wire.dtype == torch.bfloat16 and bucket.wire_nbytes * 2 == bucket.nbytes
+    assert bucket.tail.data_ptr() == bucket.wire[1000:].data_ptr()
+    average_onto_wire(bucket, 3)
+    assert torch.equal(bucket.wire[:1000], (values / 3).to(torch.bfloat16))
+    assert not torch.equal(bucket.wire[:1000], values.to(torch.bfloat16) / 3)  # the hook's double rounding
+    bucket.wire[:1000].mul_(3)  # as if summed over three equal ranks
+    version = bucket.flat._version
+    copy_back(bucket, 0, bucket.wire.numel())
+    assert torch.equal(bucket.grad_views[0], ((values / 3).to(torch.bfloat16) * 3).float())
+    assert bucket.flat._version == version, "a transport's write counted as the user's"
+
+
+def test_a_bfloat16_gradient_is_summed_in_float32_and_rounded_once_back():
+    from commsched.comm.reduce_dtype import average_onto_wire, copy_back
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bucket = _bucket(torch.bfloat16, values)
+    bucket.reduce_in(torch.float32)
+    assert bucket.grad_views[0].dtype == torch.bfloat16 and bucket.wire.dtype == torch.float32
+    average_onto_wire(bucket, 3)
+    assert torch.equal(bucket.wire, values.float() / 3)
+    bucket.wire.mul_(3)
+    copy_back(bucket, 0, 600)  # a partition: only its elements come back
+    assert torch.equal(bucket.grad_views[0][:600], (values.float() / 3 * 3).to(torch.bfloat16)[:600])
+    assert torch.equal(bucket.grad_views[0][600:], values[600:])
+
+
+@pytest.mark.parametrize("value", [True, "warn", 1])
+def test_check_finite_names_its_modes(value):
+    with pytest.raises(ValueError, match=r"Strategy.check_finite must be one of 'skip', 'raise', got"):
+        Strategy(check_finite=value)
+
+
+def test_check_finite_is_refused_with_parameter_servers():
+    assert Strategy(check_finite="raise").check_finite == "raise"
+    with pytest.raises(ValueError, match=r"check_finite='skip' applies to the all-reduce backend"):
+        Strategy(check_finite="skip", backend=ParameterServer())

@@ -1,0 +1,502 @@
+"""Strategy(reduce_dtype=...): what summing gradients in another dtype costs in accuracy and buys in time.
+
+    .venv/bin/python benchmarks/reduce_dtype.py error --json results/reduce_dtype_error.json
+    .venv/bin/python benchmarks/reduce_dtype.py convergence --json results/reduce_dtype_convergence.json \\
+        --plot docs/img/reduce_dtype_loss.png
+    sudo .venv/bin/python benchmarks/reduce_dtype.py speed --json results/reduce_dtype_speed.json
+
+Two features, each against what it replaces:
+
+- *float32 parameters, bfloat16 on the wire*: commsched with
+  ``Strategy(reduce_dtype=torch.bfloat16)`` against commsched in float32 (one
+  process's parameters, to float tolerance) and torch DDP with
+  ``bf16_compress_hook`` (float32 cast to bfloat16, divided, all-reduced in
+  bfloat16, cast back);
+- *bfloat16 parameters summed in float32*: commsched with
+  ``Strategy(reduce_dtype=torch.float32)`` against commsched summing them in
+  bfloat16 (the default).
+
+``error`` (loopback, 2 and 4 ranks): for each model, the first step's averaged
+gradient against the exact average of the same ranks' gradients (computed in
+float64 from each rank's own gradient: what the reduction alone adds), and the
+parameters after ``--steps`` steps against one process training in float32 on
+the concatenated batch (relative to how far that process moved them).
+
+``convergence`` (loopback, 2 ranks or ``--world-sizes N``): the loss curve of each system over
+``--steps`` steps, from the same weights on the same batches: the bench models
+(`commsched.bench.models`) with SGD and momentum, and a small GPT (next-token
+prediction on sequences of a fixed random Markov chain) with AdamW. The loss of
+a step is the mean over ranks. Reported: the mean loss over the last tenth of
+the steps, the largest gap between a system's curve (smoothed over 10 steps)
+and float32's, and the loss on a held-out batch at the end.
+
+``speed`` (emulated hosts, root): 2 hosts at 0.25 and 1 Gbit/s, the bench
+models; in each of ``--repeats`` fresh clusters per cell the systems train
+side by side in interleaved rounds (as `commsched.bench.compare`: a lead-in
+iteration, then measured ones, then what is in flight is finished outside
+the timed span). Reported: each system's median iteration time on rank 0
+(the median over repeats of each repeat's median), and the ratios (the
+median over repeats of each repeat's ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+FP32_SYSTEMS = ("commsched, float32", "commsched, bf16 on the wire", "DDP, bf16_compress_hook")
+BF16_SYSTEMS = ("commsched, bf16 params", "commsched, bf16 params, fp32 sum")
+SPEED_SYSTEMS = ("DDP", "DDP, bf16_compress_hook", "commsched, float32", "commsched, bf16 on the wire")
+BENCH_MODELS = ("resnet-like", "vgg-like", "transformer-like")
+BATCH = {"resnet-like": 32, "vgg-like": 64, "transformer-like": 16, "mlp": 32, "gpt": 16}
+"""Per rank, as `commsched bench`; the GPT's in sequences of `GPT_SEQUENCE` tokens."""
+GPT_VOCAB, GPT_SEQUENCE = 512, 64
+
+
+# ---------------------------------------------------------------------------- tasks
+class SmallGPT(nn.Module):
+    """A causal Transformer language model: 4 layers of width 128, 0.9M parameters."""
+
+    def __init__(self, vocab: int = GPT_VOCAB, width: int = 128, layers: int = 4, heads: int = 4,
+                 sequence: int = GPT_SEQUENCE):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(sequence, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(sequence), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        h = self.tokens(tokens) + self.position[:length]
+        h = self.blocks(h, mask=self.mask[:length, :length].to(h.dtype), is_causal=True)
+        return self.head(self.norm(h))
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model, its data and its loss."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batches: Callable[[int, int], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+    """(batch size, seed) -> an endless stream of (inputs, targets), identical for identical seeds."""
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dtype = next(model.parameters()).dtype
+        if x.is_floating_point():
+            x = x.to(dtype)
+        out = model(x).float()
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def markov_batches(batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences of a fixed random Markov chain (each token has 8 likely successors): learnable."""
+    table_generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(GPT_VOCAB, GPT_VOCAB, generator=table_generator)
+    likely = logits.topk(8, dim=1).indices
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.empty(batch_size, GPT_SEQUENCE + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(GPT_VOCAB, (batch_size,), generator=generator)
+        for t in range(GPT_SEQUENCE):
+            pick = torch.randint(8, (batch_size,), generator=generator)
+            tokens[:, t + 1] = likely[tokens[:, t], pick]
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def task(name: str) -> Task:
+    from commsched.bench.models import WORKLOADS
+
+    if name == "gpt":
+        return Task("gpt", SmallGPT, markov_batches,
+                    lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    workload = WORKLOADS[name]
+    return Task(name, workload.build, lambda batch, seed: workload.batches(batch, seed=seed),
+                lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+# -------------------------------------------------------------------------- systems
+def build(system: str, base: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``system`` (a name of `FP32_SYSTEMS`, `BF16_SYSTEMS` or `SPEED_SYSTEMS`) on a copy of ``base``."""
+    import commsched
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = copy.deepcopy(base)
+    if "bf16 params" in system:
+        model.to(torch.bfloat16)
+    if system.startswith("DDP"):
+        model = DistributedDataParallel(model)
+        if "bf16_compress_hook" in system:
+            # DDP refuses the hook by its name unless NCCL >= 2.10 or XCCL runs it; gloo sums bfloat16
+            # too, so it is registered under another name, unchanged.
+            def compress(state, bucket):
+                return bf16_compress_hook(state, bucket)
+
+            model.register_comm_hook(None, compress)
+        return model, make_optimizer(model)
+    reduce_dtype = {"commsched, bf16 on the wire": torch.bfloat16,
+                    "commsched, bf16 params, fp32 sum": torch.float32}.get(system)
+    return commsched.prepare(model, make_optimizer(model), commsched.Strategy(reduce_dtype=reduce_dtype))
+
+
+def release(model: nn.Module) -> None:
+    import commsched
+
+    if isinstance(model, commsched.CommschedModule):
+        commsched.release(model)
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    model.state_dict()  # waits for pending updates
+    module = getattr(model, "module", model)
+    return torch.cat([p.detach().double().reshape(-1) for p in module.parameters()])
+
+
+def flat_gradients(model: nn.Module) -> torch.Tensor:
+    module = getattr(model, "module", model)
+    return torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).double().reshape(-1)
+                      for p in module.parameters()])
+
+
+# ---------------------------------------------------------------------------- error
+def error_on_rank(rank: int, world_size: int, models: list[str], steps: int) -> dict | None:
+    """Per model and system: the first step's gradient error, the parameters' error after ``steps``."""
+    results: dict = {}
+    for name in models:
+        t = task(name)
+        torch.manual_seed(0)
+        base = t.build()
+        batch = BATCH[name]
+        mine = slice(rank * batch, (rank + 1) * batch)
+        reference = None
+        if rank == 0:  # one process in float32 on the concatenated batch
+            model = copy.deepcopy(base)
+            optimizer = t.optimizer(model)
+            stream = t.batches(batch * world_size, 1)
+            for _ in range(steps):
+                x, y = next(stream)
+                sum(t.loss(model, x[r * batch:(r + 1) * batch], y[r * batch:(r + 1) * batch])
+                    for r in range(world_size)).div(world_size).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            reference = flat_parameters(model)
+        initial = flat_parameters(base)
+        results[name] = {}
+        for system in (*FP32_SYSTEMS, *BF16_SYSTEMS):
+            model, optimizer = build(system, base, t.optimizer)
+            stream = t.batches(batch * world_size, 1)
+            gradient_error = math.nan
+            for step in range(steps):
+                x, y = next(stream)
+                t.loss(model, x[mine], y[mine]).backward()
+                if step == 0:
+                    gradient_error = _gradient_error(model, t, base, system, x, y, batch, rank, world_size)
+                optimizer.step()
+                optimizer.zero_grad()
+            final = flat_parameters(model)
+            release(model)
+            if rank == 0:
+                results[name][system] = {
+                    "gradient_error": gradient_error,
+                    "parameter_error": float((final - reference).norm() / (reference - initial).norm()),
+                }
+        dist.barrier()
+    return results if rank == 0 else None
+
+
+def _gradient_error(model, t: Task, base, system: str, x, y, batch: int, rank: int, world_size: int) -> float:
+    """The reduced gradient against the exact (float64) average of every rank's own gradient (collective)."""
+    local = copy.deepcopy(base)
+    if "bf16 params" in system:
+        local.to(torch.bfloat16)
+    t.loss(local, x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]).backward()
+    exact = flat_gradients(local)
+    dist.all_reduce(exact)
+    exact /= world_size
+    if hasattr(model, "_commsched_reducer"):
+        model._commsched_reducer.synchronize()
+    return float((flat_gradients(model) - exact).norm() / exact.norm())
+
+
+# ---------------------------------------------------------------------- convergence
+def convergence_on_rank(rank: int, world_size: int, models: list[str], steps: int, bf16_params: bool) -> dict | None:
+    """Per model and system: the loss of every step (mean over ranks) and the held-out loss at the end."""
+    results: dict = {}
+    for name in models:
+        t = task(name)
+        torch.manual_seed(0)
+        base = t.build()
+        batch = BATCH[name]
+        mine = slice(rank * batch, (rank + 1) * batch)
+        held_out = next(t.batches(256 if name != "gpt" else 64, 12345))
+        results[name] = {}
+        for system in (*FP32_SYSTEMS, *(BF16_SYSTEMS if bf16_params else ())):
+            model, optimizer = build(system, base, t.optimizer)
+            stream = t.batches(batch * world_size, 1)
+            losses = torch.zeros(steps, dtype=torch.float64)
+            started = time.perf_counter()
+            for step in range(steps):
+                x, y = next(stream)
+                loss = t.loss(model, x[mine], y[mine])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[step] = loss.item()
+            dist.all_reduce(losses)
+            losses /= world_size
+            flat_parameters(model)
+            with torch.no_grad():
+                held_out_loss = float(t.loss(getattr(model, "module", model).eval(), *held_out))
+            release(model)
+            if rank == 0:
+                results[name][system] = {"losses": losses.tolist(), "held_out": held_out_loss,
+                                         "seconds": time.perf_counter() - started}
+                print(f"{name}, {system}: {steps} steps in {time.perf_counter() - started:.0f} s, "
+                      f"last loss {losses[-1]:.4f}", flush=True)
+    return results if rank == 0 else None
+
+
+def smoothed(losses: list[float], window: int = 10) -> list[float]:
+    return [statistics.fmean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+
+
+def convergence_rows(results: dict) -> list[str]:
+    """Every system against float32 training (`FP32_SYSTEMS`' first, one process's to float tolerance)."""
+    baseline = FP32_SYSTEMS[0]
+    rows = ["| model | system | loss, last tenth | / float32's | largest gap to float32 (smoothed) | held-out loss |",
+            "|---|---|---|---|---|---|"]
+    for name, systems in results.items():
+        base = systems[baseline]["losses"]
+        tail = max(1, len(base) // 10)
+        base_tail = statistics.fmean(base[-tail:])
+        for system, data in systems.items():
+            losses = data["losses"]
+            last = statistics.fmean(losses[-tail:])
+            gap = max(abs(a - b) for a, b in zip(smoothed(losses), smoothed(base), strict=True))
+            rows.append(f"| {name} | {system} | {last:.4f} | {last / base_tail:.4f} | {gap:.4f} | "
+                        f"{data['held_out']:.4f} |")
+    return rows
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), squeeze=False)
+    for ax, (name, systems) in zip(axes[0], results.items(), strict=True):
+        for system, data in systems.items():
+            ax.plot(smoothed(data["losses"]), label=system, linewidth=1.2,
+                    linestyle="--" if "DDP" in system else "-")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("training loss (smoothed)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------- speed
+def speed_worker(spec_path: Path, out_path: Path) -> None:
+    """One host of the emulated cluster: every system side by side in interleaved rounds."""
+    torch.set_num_threads(1)
+    spec = json.loads(spec_path.read_text())
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    t = task(spec["model"])
+    torch.manual_seed(0)
+    base = t.build()
+    batch = spec["batch"]
+    mine = slice(rank * batch, (rank + 1) * batch)
+    runs = []
+    for system in spec["systems"]:
+        model, optimizer = build(system, base, t.optimizer)
+        runs.append((system, model, optimizer, t.batches(batch * world_size, 1)))
+
+    def step(model, optimizer, stream) -> float:
+        x, y = next(stream)
+        started = time.perf_counter()
+        t.loss(model, x[mine], y[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - started
+
+    def drain(optimizer) -> None:
+        if hasattr(optimizer, "synchronize"):
+            optimizer.synchronize()
+
+    times: dict[str, list[float]] = {system: [] for system, *_ in runs}
+    for system, model, optimizer, stream in runs:
+        for _ in range(spec["warmup"]):
+            step(model, optimizer, stream)
+        drain(optimizer)
+    for round_index in range(spec["rounds"]):
+        for system, model, optimizer, stream in (runs if round_index % 2 == 0 else runs[::-1]):
+            dist.barrier()
+            step(model, optimizer, stream)  # the lead-in (see [Note: steady-state rounds] in commsched.bench.compare)
+            times[system] += [step(model, optimizer, stream) for _ in range(spec["iterations"])]
+            drain(optimizer)
+    for _, model, *_ in runs:
+        release(model)
+    if rank == 0:
+        out_path.write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def speed_cell(model: str, rate_gbit: float, settings: dict, port: int) -> dict[str, list[float]]:
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
+
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps({"model": model, "batch": BATCH[model], **settings}))
+        procs = [cluster.popen(host, [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
+                               {**cluster.torch_env(host, port), "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for host in range(2)]
+        wait_for_hosts(procs, settings["timeout_s"], f"{model} at {rate_gbit:g} Gbit/s")
+        return json.loads(out_path.read_text())
+
+
+RATIOS = (("commsched, bf16 on the wire", "commsched, float32"),
+          ("commsched, bf16 on the wire", "DDP, bf16_compress_hook"),
+          ("DDP, bf16_compress_hook", "DDP"), ("commsched, float32", "DDP"))
+"""The ratios the speed table gives (numerator, denominator)."""
+
+
+def speed_rows(cells: list[dict]) -> list[str]:
+    names = list(SPEED_SYSTEMS)
+    short = {"commsched, bf16 on the wire": "bf16 wire", "commsched, float32": "float32",
+             "DDP, bf16_compress_hook": "DDP hook", "DDP": "DDP"}
+    rows = ["| model | link | " + " | ".join(f"{n} (ms)" for n in names) + " | "
+            + " | ".join(f"{short[a]} / {short[b]}" for a, b in RATIOS) + " |",
+            "|---|---|" + "---|" * (len(names) + len(RATIOS))]
+    for cell in cells:
+        repeats = [{n: statistics.median(times[n]) for n in names} for times in cell["repeats"]]
+        medians = {n: statistics.median(r[n] for r in repeats) * 1e3 for n in names}
+        ratios = [statistics.median(r[a] / r[b] for r in repeats) for a, b in RATIOS]
+        rows.append(f"| {cell['model']} | {cell['rate_gbit']:g} Gbit/s | "
+                    + " | ".join(f"{medians[n]:.1f}" for n in names) + " | "
+                    + " | ".join(f"{ratio:.3f}" for ratio in ratios) + " |")
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+def error_rows(results: dict, steps: int) -> list[str]:
+    """Two tables, systems side by side: the first gradient's error, the parameters' after ``steps``."""
+    systems = (*FP32_SYSTEMS, *BF16_SYSTEMS)
+    rows = []
+    for key, title in (("gradient_error", "first step's averaged gradient against the exact average"),
+                       ("parameter_error", f"parameters after {steps} steps against one float32 process")):
+        rows += [f"{title}:", "", "| model | ranks | " + " | ".join(systems) + " |",
+                 "|---|---|" + "---|" * len(systems)]
+        for world_size, models in results.items():
+            for name, data in models.items():
+                rows.append(f"| {name} | {world_size} | " + " | ".join(f"{data[s][key]:.2e}" for s in systems) + " |")
+        rows.append("")
+    return rows
+
+
+def report(out: dict) -> list[str]:
+    """The tables of a run (``--json``'s contents)."""
+    if out["part"] == "error":
+        return error_rows(out["results"], out["steps"])
+    if out["part"] == "convergence":
+        return convergence_rows(out["results"])
+    return speed_rows(out["results"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("part", nargs="?", choices=("error", "convergence", "speed"))
+    parser.add_argument("--models", nargs="+", help="default: error: mlp, transformer-like, gpt; convergence: "
+                        "the bench models and gpt; speed: the bench models")
+    parser.add_argument("--world-sizes", nargs="+", type=int, help="error: 2 4; convergence: 2 (the first is used)")
+    parser.add_argument("--steps", type=int, help="error: 30; convergence: 300")
+    parser.add_argument("--bf16-params", action="store_true", help="convergence: also bfloat16 parameters")
+    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.25, 1.0], help="speed only")
+    parser.add_argument("--repeats", type=int, default=3, help="speed: fresh clusters per cell")
+    parser.add_argument("--rounds", type=int, default=3, help="speed only")
+    parser.add_argument("--iterations", type=int, default=5, help="speed: measured per system per round")
+    parser.add_argument("--warmup", type=int, default=6, help="speed: unmeasured iterations per system")
+    parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument("--json", type=Path, help="write the run here")
+    parser.add_argument("--plot", type=Path, help="convergence: the loss curves (also with --report)")
+    parser.add_argument("--report", type=Path, metavar="JSON", help="print the tables of a run saved with --json")
+    args = parser.parse_args(argv)
+    if args.worker:
+        speed_worker(*args.worker)
+        return 0
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print("\n".join(report(saved)))
+        if args.plot and saved["part"] == "convergence":
+            plot(saved["results"], args.plot)
+        return 0
+    if args.part is None:
+        parser.error("name a part (error, convergence or speed), or --report a saved run")
+    from commsched.testing import run_ranks
+
+    out: dict = {"part": args.part, "argv": sys.argv[1:]}
+    if args.part == "error":
+        models, out["steps"] = args.models or ["mlp", "transformer-like", "gpt"], args.steps or 30
+        out["results"] = {world_size: run_ranks(error_on_rank, world_size, models, out["steps"],
+                                                timeout_s=args.timeout_s)[0]
+                          for world_size in args.world_sizes or [2, 4]}
+    elif args.part == "convergence":
+        models, steps = args.models or ["resnet-like", "vgg-like", "transformer-like", "gpt"], args.steps or 300
+        out["world_size"] = (args.world_sizes or [2])[0]
+        out["results"] = run_ranks(convergence_on_rank, out["world_size"], models, steps, args.bf16_params,
+                                   timeout_s=args.timeout_s)[0]
+        if args.plot:
+            plot(out["results"], args.plot)
+    else:
+        models = args.models or list(BENCH_MODELS)
+        settings = {"systems": list(SPEED_SYSTEMS), "rounds": args.rounds, "iterations": args.iterations,
+                    "warmup": args.warmup, "timeout_s": args.timeout_s}
+        out["results"] = []
+        port = 29711
+        for model in models:
+            for rate in args.rates_gbit:
+                cell = {"model": model, "rate_gbit": rate, "repeats": []}
+                for repeat in range(args.repeats):
+                    started = time.monotonic()
+                    times = speed_cell(model, rate, settings, port=port)
+                    port += 1
+                    cell["repeats"].append(times)
+                    print(f"{model} at {rate:g} Gbit/s, repeat {repeat + 1}: " + ", ".join(
+                        f"{n} {statistics.median(v) * 1e3:.1f} ms" for n, v in times.items())
+                        + f" [{time.monotonic() - started:.0f} s]", flush=True)
+                out["results"].append(cell)
+    print("\n".join(report(out)))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
