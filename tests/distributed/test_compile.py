@@ -64,9 +64,13 @@ def train_ddp(base: torch.nn.Module, backend: str, data, rank: int) -> torch.nn.
     return ddp_model.module._orig_mod
 
 
-def case_trains_as_one_process(rank: int, world_size: int, backend: str, against_ddp: bool) -> None:
+def case_trains_as_one_process(rank: int, world_size: int, backend: str, against_ddp: bool,
+                               overlap_forward: bool = True) -> None:
     """``prepare(torch.compile(model))``: eager while warm-up records, then compiled once and never again;
-    the parameters are one process's and (``against_ddp``) torch DDP's on the same compiled model, buffers too."""
+    the parameters are one process's and (``against_ddp``) torch DDP's on the same compiled model, buffers too.
+
+    Without forward overlap only the first forward pass is recorded, and the model is one graph."""
+    recorded = RECORDED if overlap_forward else 1
     torch.manual_seed(0)
     base = TinyResNet()
     reference, reference_optimizer = reference_copy(base, OPTIMIZERS[OPTIMIZER])
@@ -79,7 +83,8 @@ def case_trains_as_one_process(rank: int, world_size: int, backend: str, against
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     model, optimizer = commsched.prepare(torch.compile(base, backend=counter),
-                                         OPTIMIZERS[OPTIMIZER](base.parameters()))
+                                         OPTIMIZERS[OPTIMIZER](base.parameters()),
+                                         commsched.Strategy(overlap_forward=overlap_forward))
     graphs = []
     for x, y in data:
         share_loss(model, x, y)(rank).backward()
@@ -87,10 +92,11 @@ def case_trains_as_one_process(rank: int, world_size: int, backend: str, against
         optimizer.zero_grad()
         graphs.append(counter.frame_count)
         one_process_step(reference_optimizer, share_loss(reference, x, y), world_size)
-    assert graphs[:RECORDED] == [0] * RECORDED, f"graphs compiled by the end of each iteration: {graphs}"
-    assert graphs[RECORDED] > 0 and graphs[RECORDED:] == [graphs[RECORDED]] * (ITERATIONS - RECORDED), (
+    assert graphs[:recorded] == [0] * recorded, f"graphs compiled by the end of each iteration: {graphs}"
+    assert graphs[recorded] > 0 and graphs[recorded:] == [graphs[recorded]] * (ITERATIONS - recorded), (
         f"compiled once after warm-up, never again: {graphs}")
-    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    assert commsched.status(model).lifecycle is (
+        commsched.Lifecycle.OVERLAPPING if overlap_forward else commsched.Lifecycle.SYNCHRONOUS)
     # The original module's own state_dict(), first: it waits for the updates still pending under forward overlap.
     original = {key: value.clone() for key, value in base.state_dict().items()}
     assert list(model.state_dict()) == ["_orig_mod." + key for key in reference.state_dict()]
@@ -199,9 +205,10 @@ def compile_grid(rank: int, world_size: int) -> None:
     cases = {
         "torch.compile then prepare, aot_eager": functools.partial(
             case_trains_as_one_process, rank, world_size, "aot_eager", True),
-        # Inductor compiles for seconds here: one case, against one process only.
+        # Inductor compiles each graph for seconds here: one case, one graph (no gates between
+        # modules without forward overlap), against one process only.
         "torch.compile then prepare, inductor": functools.partial(
-            case_trains_as_one_process, rank, world_size, "inductor", False),
+            case_trains_as_one_process, rank, world_size, "inductor", False, False),
         "compiled submodule": functools.partial(case_compiled_submodule, rank, world_size),
         "compiled penalty before the forward pass": functools.partial(
             case_compiled_penalty_before_forward, rank, world_size),
