@@ -37,6 +37,7 @@ transport / update policy
 from commsched.api import ServingFinished, prepare, release, serve, status
 from commsched.engine.lifecycle import Lifecycle
 from commsched.errors import CommunicationTimeout, NonFiniteGradients
+from commsched.integrations.ddp import DistributedDataParallel
 from commsched.layout.buckets import compute_bucket_assignment_by_size
 from commsched.prepared.module import CommschedModule
 from commsched.prepared.optimizer import CommschedOptimizer
@@ -49,6 +50,7 @@ __all__ = [
     "CommschedModule",
     "CommschedOptimizer",
     "CommunicationTimeout",
+    "DistributedDataParallel",
     "Lifecycle",
     "NonFiniteGradients",
     "ParameterServer",

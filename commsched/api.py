@@ -10,7 +10,9 @@ With parameter servers, the server ranks call `serve` instead of `prepare`.
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -32,8 +34,8 @@ from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
 from commsched.engine.trace import check_trace_dir
 from commsched.prepared.foreign_optimizers import watch_foreign_optimizers
-from commsched.prepared.module import CommschedModule
-from commsched.prepared.optimizer import CommschedOptimizer
+from commsched.prepared.module import CommschedModule, has_own_attribute
+from commsched.prepared.optimizer import CommschedOptimizer, keep_scheduler_counting_steps
 from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
 from commsched.ps.report import ServerReport
 from commsched.ps.roles import is_server_rank
@@ -63,9 +65,39 @@ def prepare(
     ``model.no_sync()`` and ``optimizer.synchronize()`` added; use them exactly
     as before. With parameter servers, the server ranks call `serve` instead.
     """
+    return _prepare(model, optimizer, strategy, process_group, adopt_optimizer=False)
+
+
+def prepare_adopting_optimizer(
+    model: ModelT, strategy: Strategy | None = None, process_group: dist.ProcessGroup | None = None
+) -> ModelT:
+    """`prepare` for a model whose optimizer does not exist yet (`commsched.DistributedDataParallel`).
+
+    The first ``step()`` of one optimizer over every trainable parameter, during
+    warm-up, adopts it on every rank as if it had been passed here (see [Note: an
+    adopted optimizer] in `commsched.engine.reducer`).
+    """
+    strategy = _checked_strategy(strategy)
+    if strategy.parameter_server:
+        raise ValueError(
+            "with parameter servers the servers run the optimizer, so it must exist before training: call "
+            "commsched.prepare(model, optimizer, strategy) on the workers and commsched.serve(...) on the servers"
+        )
+    model, _ = _prepare(model, None, strategy, process_group, adopt_optimizer=True)
+    return model
+
+
+def _prepare(
+    model: ModelT,
+    optimizer: OptimizerT | None,
+    strategy: Strategy | None,
+    process_group: dist.ProcessGroup | None,
+    adopt_optimizer: bool,
+) -> tuple[ModelT, OptimizerT | None]:
     strategy = _checked_strategy(strategy)
     _check_model(model)
     group, control_group = _agree(model, optimizer, strategy, process_group, _Entry.PREPARE)
+    _warn_of_own_module_attribute(model)
     config = RunConfig.of(strategy)
     if strategy.parameter_server:
         side = join_parameter_server_job(model, optimizer, strategy)
@@ -86,15 +118,51 @@ def prepare(
         policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                              overlap_forward=strategy.overlap_forward)
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype)
-        reducer = GradientReducer(model, config, transport, policy, groups)
+        reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it
     if optimizer is not None:
         _mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
-    watch_foreign_optimizers(model, optimizer, reducer)
+        keep_scheduler_counting_steps(optimizer)
+    adopter = None
+    if adopt_optimizer:
+        adopter = functools.partial(_adopt_optimizer, model, strategy=strategy, control_group=control_group)
+    watch_foreign_optimizers(model, optimizer, reducer, adopter)
     return model, optimizer
+
+
+def _adopt_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, control_group: dist.ProcessGroup
+) -> Callable[[], None]:
+    """At ``optimizer``'s first ``step()``: check it as prepare() would, on every rank, then let
+    the reducer take it; returns what runs once torch.optim's own step is done."""
+    try:
+        _check_optimizer(model, optimizer)
+        setup = [checks_entry(None), *describe_setup(strategy, model, optimizer)]
+        problem = None
+    except Exception as error:  # noqa: BLE001 - the other ranks must hear of any failure
+        setup, problem = [checks_entry(error)], error
+    verify_setup_across_ranks(setup, control_group, strategy.timeout_s)
+    if problem is not None:
+        raise problem
+    reducer: GradientReducer = model._commsched_reducer
+    after_step = reducer.adopt_optimizer(optimizer)
+    _mix_in(optimizer, CommschedOptimizer)
+    optimizer._commsched_reducer = reducer
+    keep_scheduler_counting_steps(optimizer)
+    return after_step
+
+
+def _warn_of_own_module_attribute(model: torch.nn.Module) -> None:
+    if has_own_attribute(model, "module"):
+        warnings.warn(
+            f"the prepared model ({type(model).__name__}) has an attribute of its own named 'module', so "
+            "model.module is that attribute, not the model as with torch DDP's wrapper: where code written "
+            "for DDP reaches the model through model.module, use the model itself",
+            stacklevel=4,
+        )
 
 
 def serve(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy) -> ServerReport:
@@ -315,11 +383,6 @@ def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
                     "build the optimizer from this model's parameters (e.g. "
                     "model.parameters()), and prepare each model with its own optimizer"
                 )
-    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
-        raise RuntimeError(
-            "an LR scheduler was created for this optimizer before commsched.prepare(); "
-            "create LR schedulers after prepare() so that they wrap the prepared optimizer"
-        )
 
 
 def _mix_in(obj: object, mixin: type) -> None:

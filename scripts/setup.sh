@@ -14,6 +14,6 @@ WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # torch first, pinned: left to resolve torch itself, pip would fetch a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test,bench,tune]"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test,bench,tune,lightning,hf]"
   echo "$WANT" > "$STAMP"
 fi

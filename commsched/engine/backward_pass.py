@@ -112,6 +112,8 @@ class BackwardPass:
         self.stepped = False
         self.grads_final = False
         """``synchronize()`` ran: gradients are averaged and may be changed before ``step()``."""
+        self.synchronized_by_user = False
+        """The user called ``optimizer.synchronize()`` after this pass's backward."""
         self.grads_released = False
         """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
         self.figures = IterationFigures(iteration)

@@ -34,8 +34,8 @@ from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.config import RunConfig
-from commsched.engine.finite import FiniteCheck
 from commsched.engine.events import EventBus
+from commsched.engine.finite import FiniteCheck
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
@@ -82,7 +82,10 @@ class GradientReducer:
         transport: Transport,
         policy: UpdatePolicy,
         groups: ProcessGroups,
+        awaiting_optimizer: bool = False,
     ):
+        """``awaiting_optimizer``: no optimizer yet, one may be adopted at its first ``step()``
+        (see [Note: an adopted optimizer])."""
         self.module, self.config, self.transport, self.policy, self.groups = module, config, transport, policy, groups
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
@@ -104,7 +107,8 @@ class GradientReducer:
         """The backward pass's end-of-pass callback ran in a nested backward pass
         before every gradient was in; see [Note: nested backward]."""
         self._sync_enabled = True
-        self._overlap_blocked = policy.overlap_blocker
+        self.awaiting_optimizer = awaiting_optimizer
+        self._overlap_blocked = None if awaiting_optimizer else policy.overlap_blocker
         if config.overlap_requested and self._overlap_blocked:
             logger.warning("commsched: overlap_forward is off: %s", self._overlap_blocked)
         elif transport.is_local:
@@ -150,7 +154,7 @@ class GradientReducer:
         """The first layout, once the forward order is known; warm-up starts."""
         self.gating.readers_found(read_before_owner)
         self._relayout(forward_order)
-        overlap_possible = self.overlap_off_reason is None and self.policy.per_bucket
+        overlap_possible = self.overlap_off_reason is None and (self.policy.per_bucket or self.awaiting_optimizer)
         self.warmup.layout_built(self.gating.modules() if overlap_possible else None)
         self.lifecycle = Lifecycle.WARMUP
 
@@ -185,6 +189,8 @@ class GradientReducer:
         Returns the new plan's order if there is one.
         """
         started = time.perf_counter()
+        if self.awaiting_optimizer:
+            self._stop_awaiting_optimizer()
         result = self.warmup.finish(self.layout)
         self.choice = result.choice
         new_order = None
@@ -418,6 +424,15 @@ class GradientReducer:
             current.complete_buckets(buckets)
 
     # ------------------------------------------------------------ user's calls
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether the next backward pass reduces gradients (False: they accumulate locally)."""
+        return self._sync_enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, enabled: bool) -> None:
+        self._sync_enabled = bool(enabled)
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         previous = self._sync_enabled
@@ -426,6 +441,47 @@ class GradientReducer:
             yield
         finally:
             self._sync_enabled = previous
+
+    # --------------------------------------------------- an adopted optimizer
+    # [Note: an adopted optimizer] `commsched.DistributedDataParallel` wraps a
+    # model before its optimizer exists, as torch DDP does. Until warm-up ends,
+    # the reducer keeps forward overlap possible (gates, the reads watch), and
+    # the first ``step()`` of one optimizer over every trainable parameter
+    # adopts it, as if it had been given to prepare(): that step runs as
+    # torch.optim's own, on gradients already averaged (warm-up does not
+    # overlap), and the next ones are per-bucket updates. No adoption by the
+    # end of warm-up: the model trains as prepared without an optimizer.
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Take ``optimizer`` as the one given to prepare(), at its first ``step()``, before
+        torch.optim's own step runs; returns what must run once that step is done."""
+        self.awaiting_optimizer = False
+        warmup, started = self.warmup, time.perf_counter()
+        if warmup is not None:
+            warmup.before_step()
+        self._step(lambda: None, None)  # this pass is stepped: torch.optim's own step follows
+        self.policy.adopt(optimizer, self.layout)
+        if self.policy.overlap_blocker is not None:
+            self._block_overlap(self.policy.overlap_blocker)
+
+        def after_step() -> None:
+            if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
+                self.warmup = None
+            self._events.step_finished(started, time.perf_counter())
+
+        return after_step
+
+    def _stop_awaiting_optimizer(self) -> None:
+        """Warm-up ends without an adopted optimizer: train as prepared without one."""
+        self.awaiting_optimizer = False
+        if self.policy.overlap_blocker is not None:
+            self._block_overlap(self.policy.overlap_blocker)
+
+    def _block_overlap(self, reason: str) -> None:
+        """Forward overlap can no longer start: its gates go (the warm-up's reads end with it)."""
+        self._overlap_blocked = reason
+        self.gating.remove_gates()
+        if self.config.overlap_requested:
+            logger.warning("commsched: overlap_forward is off from now on: %s", reason)
 
     def _end_deferred_backward(self) -> None:
         """The model is used again, so a backward pass whose end was deferred is over."""
@@ -442,6 +498,13 @@ class GradientReducer:
             current.complete_all()
             # Gradients are final now: changing them before step() is legitimate.
             current.grads_final = True
+
+    def synchronize_for_user(self) -> None:
+        """``optimizer.synchronize()``: as `synchronize`; a loop that calls it before changing
+        gradients in place (clipping) keeps forward overlap, since it will call it every time."""
+        self.synchronize()
+        if self.current is not None:
+            self.current.synchronized_by_user = True
 
     def state_loaded(self) -> None:
         """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""
@@ -504,10 +567,11 @@ class GradientReducer:
             current.complete_buckets(self.gating.updated_at_step)
         if not current.overlapping:
             if self.lifecycle is Lifecycle.WARMUP and self.overlap_off_reason is None:
-                reason = GRAD_SCALER_REASON if scaling is not None else GRADIENTS_CHANGED_REASON if changed else None
+                changed_unsynchronized = changed and not current.synchronized_by_user
+                reason = (GRAD_SCALER_REASON if scaling is not None
+                          else GRADIENTS_CHANGED_REASON if changed_unsynchronized else None)
                 if reason is not None:
-                    self._overlap_blocked = reason
-                    logger.warning("commsched: overlap_forward is off from now on: %s", reason)
+                    self._block_overlap(reason)
             self.synchronize()
             current.report_nonfinite(block=True)
 

@@ -20,12 +20,16 @@ optimizer's parameters by id:
   pass (gradients not averaged yet): `RuntimeError`.
 
 The prepared optimizer itself, optimizers over other models' parameters, and
-any optimizer once the model is released are not concerned.
+any optimizer once the model is released are not concerned. A model prepared
+without an optimizer that may adopt one (`commsched.DistributedDataParallel`)
+adopts, at its first ``step()``, an optimizer over every one of its trainable
+parameters (see [Note: an adopted optimizer] in `commsched.engine.reducer`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -37,6 +41,10 @@ from commsched.watch.autograd_context import running_backward
 
 if TYPE_CHECKING:
     from commsched.engine.reducer import GradientReducer
+
+
+Adopter = Callable[[torch.optim.Optimizer], Callable[[], None]]
+"""Takes an optimizer as the prepared one; returns what runs after its first step."""
 
 
 class _Owner(NamedTuple):
@@ -53,11 +61,14 @@ _synchronized: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """reducer -> the backward pass the user last called ``optimizer.synchronize()`` after.
 (commsched synchronizes on its own too, during warm-up: that must not count, or
 the error would come only once forward overlap starts.)"""
+_adopters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""reducer -> how it adopts an optimizer, while it may."""
 _hook: Any = None
 
 
 def watch_foreign_optimizers(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, reducer: GradientReducer
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, reducer: GradientReducer,
+    adopter: Adopter | None = None,
 ) -> None:
     """Called by `commsched.prepare`: refuse other optimizers' steps on ``model``'s
     trainable parameters where they would be wrong; see [Note: foreign optimizers]."""
@@ -72,6 +83,8 @@ def watch_foreign_optimizers(
             _owners[id(param)] = _Owner(weakref.ref(param), name, reducer_ref)
     if optimizer is not None:
         _prepared_optimizers.add(optimizer)
+    if adopter is not None:
+        _adopters[reducer] = adopter
 
 
 def user_synchronized(reducer: GradientReducer) -> None:
@@ -83,6 +96,8 @@ def user_synchronized(reducer: GradientReducer) -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Every optimizer's ``step()`` in the process: one dict lookup per parameter."""
     if not _owners or optimizer in _prepared_optimizers:
+        return
+    if _adopted(optimizer):
         return
     checked: set[int] = set()
     for group in optimizer.param_groups:
@@ -96,6 +111,32 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 _check(optimizer, owner.name, reducer)
 
 
+def _adopted(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a prepared model awaiting an optimizer took ``optimizer``: one over exactly its
+    trainable parameters, at that optimizer's first step during warm-up."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owner = _owners.get(id(params[0])) if params else None
+    reducer = owner.reducer() if owner is not None and owner.param() is params[0] else None
+    if reducer is None or reducer not in _adopters:
+        return False
+    if not reducer.awaiting_optimizer or reducer.lifecycle is Lifecycle.RELEASED or running_backward():
+        del _adopters[reducer]
+        return False
+    if {id(p) for p in params} != {id(p) for p in reducer.params} or len(params) != len(reducer.params):
+        return False
+    adopter = _adopters.pop(reducer)
+    after_step = adopter(optimizer)
+    _prepared_optimizers.add(optimizer)
+    handle = None
+
+    def after_first_step(*_: Any) -> None:
+        handle.remove()
+        after_step()
+
+    handle = optimizer.register_step_post_hook(after_first_step)
+    return True
+
+
 def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer) -> None:
     if reducer.lifecycle is Lifecycle.RELEASED:
         return
@@ -103,6 +144,10 @@ def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer
            f"commsched.prepare(), is stepping parameter '{name}' of a prepared model")
     one_optimizer = ("Put every parameter in the one optimizer given to prepare() (param groups may set "
                      "their own lr, weight_decay, momentum or betas)")
+    if reducer in _adopters:
+        one_optimizer = ("commsched.DistributedDataParallel adopts one optimizer over every trainable parameter "
+                         "of the model (param groups may set their own lr, weight_decay, momentum or betas): "
+                         "build one such optimizer")
     if running_backward():
         raise RuntimeError(
             f"{who} during a backward pass, before its gradient is averaged across ranks. Step "

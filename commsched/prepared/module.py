@@ -28,7 +28,7 @@ class CommschedModule:
     """Mixed into the class of a prepared model (the model object itself is kept).
 
     The model stays the user's own module: same attributes, same ``state_dict``
-    keys, no ``.module`` indirection. It is a ``Joinable`` (registered, not
+    keys; ``.module`` is the model itself, for DDP code. It is a ``Joinable`` (registered, not
     inherited: the mixed class must keep the model's object layout): pass it to
     torch's ``Join`` for uneven inputs (see [Note: uneven inputs] in `commsched.engine.join`).
     """
@@ -46,6 +46,34 @@ class CommschedModule:
     @property
     def join_process_group(self) -> Any:
         return self._commsched_reducer.uneven_inputs.process_group
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model itself, for code written for torch DDP's wrapper (``raw_model = model.module``).
+
+        A model with an attribute of its own named ``module`` (a submodule) gets
+        that, as its own forward expects; prepare() warns about it.
+        """
+        own = own_attribute(self, "module")  # type: ignore[arg-type]
+        return self if own is _NOT_FOUND else own  # type: ignore[return-value]
+
+    @module.setter
+    def module(self, value: Any) -> None:
+        tables = ("_parameters", "_buffers", "_modules")
+        if isinstance(value, torch.nn.Module | torch.nn.Parameter) or any("module" in vars(self)[t] for t in tables):
+            torch.nn.Module.__setattr__(self, "module", value)  # type: ignore[arg-type]
+        else:
+            vars(self)["module"] = value
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """As torch DDP's attribute: set False to accumulate gradients locally (as inside
+        ``no_sync()``), True again for the micro-step whose backward reduces them."""
+        return self._commsched_reducer.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, enabled: bool) -> None:
+        self._commsched_reducer.sync_enabled = enabled
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -84,6 +112,22 @@ class CommschedModule:
             cls, *new_args = reduced[1]
             reduced = (cls.__new__, (cls, *new_args), *reduced[2:])
         return reduced
+
+
+_NOT_FOUND = object()
+
+
+def own_attribute(model: torch.nn.Module, name: str) -> object:
+    """``model``'s own parameter, buffer, submodule or plain attribute ``name``, else ``_NOT_FOUND``."""
+    state = vars(model)
+    for table in ("_parameters", "_buffers", "_modules"):
+        if name in state[table]:
+            return state[table][name]
+    return state.get(name, _NOT_FOUND)
+
+
+def has_own_attribute(model: torch.nn.Module, name: str) -> bool:
+    return own_attribute(model, name) is not _NOT_FOUND
 
 
 def _plain_copy(model: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:

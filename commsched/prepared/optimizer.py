@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
@@ -32,7 +33,7 @@ class CommschedOptimizer:
 
     def synchronize(self) -> None:
         """Block until every pending gradient reduction (and update) is done."""
-        self._commsched_reducer.synchronize()
+        self._commsched_reducer.synchronize_for_user()
         user_synchronized(self._commsched_reducer)
 
     def step(self, closure: Any = None) -> Any:
@@ -120,3 +121,26 @@ class CommschedOptimizer:
         reducer = self._commsched_reducer
         reducer.synchronize()
         reducer.policy.fetch_optimizer_state()
+
+
+def keep_scheduler_counting_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Let an LR scheduler made before ``optimizer`` was prepared go on seeing its steps.
+
+    A scheduler replaces ``optimizer.step`` on the object by a wrapper that notes
+    the call and then runs the step of the class the optimizer had then, which
+    would now skip commsched's. The wrapper is replaced by one that notes the
+    same and runs the prepared step.
+    """
+    patched = vars(optimizer).get("step")
+    if not getattr(patched, "_wrapped_by_lr_sched", False):
+        return
+    optimizer_ref = weakref.ref(optimizer)
+
+    @functools.wraps(patched)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        prepared = optimizer_ref()
+        prepared._opt_called = True  # what torch's LR schedulers look for
+        return type(prepared).step(prepared, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    vars(optimizer)["step"] = step

@@ -38,6 +38,9 @@ class ServerSideUpdate:
         self._client = client
         self._optimizer, self._kind, self._params = client.optimizer, client.kind, client.params
 
+    def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
+        raise RuntimeError("with parameter servers the optimizer is given to prepare() and serve(), never adopted")
+
     def attach(self, layout: GradLayout) -> None:
         """The transport's stages (one per bucket) receive the pulled values."""
 

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from commsched.layout.grad_layout import GradLayout
     from commsched.update.grad_scaling import GradScaling
 
@@ -25,6 +27,10 @@ class UpdatePolicy(Protocol):
 
     def attach(self, layout: GradLayout) -> None:
         """The buckets exist: prepare the per-bucket update (if any)."""
+
+    def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
+        """Use ``optimizer``, which prepare() was not given (see [Note: an adopted optimizer]
+        in `commsched.engine.reducer`); only where the optimizer runs on every rank."""
 
     def detach(self) -> None:
         """The buckets are about to be laid out anew: let go of them (until `attach`)."""

@@ -25,16 +25,25 @@ class LocalUpdate:
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, fuse_optimizer: bool, overlap_forward: bool):
         """``fuse_optimizer``, ``overlap_forward``: the `Strategy` fields of those names."""
+        self._fused, self._overlap_forward = fuse_optimizer, overlap_forward
+        self._updater: BucketUpdater | None = None
+        self._use(optimizer)
+
+    def _use(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._optimizer = optimizer
-        self._fused = fuse_optimizer
-        wants_per_bucket = fuse_optimizer or overlap_forward
+        wants_per_bucket = self._fused or self._overlap_forward
         self.overlap_blocker: str | None = None
         if optimizer is not None and wants_per_bucket:
             self.overlap_blocker = unsupported_reason(optimizer)
-        elif optimizer is None and overlap_forward:
+        elif optimizer is None and self._overlap_forward:
             self.overlap_blocker = "no optimizer was given to prepare()"
         self._wants_per_bucket = optimizer is not None and wants_per_bucket and self.overlap_blocker is None
-        self._updater: BucketUpdater | None = None
+
+    def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
+        """The optimizer prepare() was not given, from now on (see [Note: an adopted optimizer])."""
+        self._use(optimizer)
+        if layout is not None:
+            self.attach(layout)
 
     def attach(self, layout: GradLayout) -> None:
         if self._wants_per_bucket:

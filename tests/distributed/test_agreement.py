@@ -128,17 +128,15 @@ def case_equal_numbers_written_differently(rank: int):
     return case
 
 
-def case_scheduler_before_prepare_on_one_rank(rank: int):
+def case_foreign_parameter_on_one_rank(rank: int):
     """A check that fails on rank 1 alone reaches the other ranks instead of leaving them waiting."""
     def case():
         model, params = model_and_params()
-        optimizer = sgd(params)
-        if rank == ODD_RANK:
-            torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        optimizer = sgd(params + [torch.nn.Parameter(torch.zeros(3))] if rank == ODD_RANK else params)
         with pytest.raises(ValueError, match=(
             rf"commsched.prepare\(\) failed on rank\(s\) \[1\] \(passed on \[0, 2\]\), so it stops on every "
-            rf"rank \(this is rank {rank}\): rank\(s\) \[1\]: RuntimeError: an LR scheduler was created for "
-            r"this optimizer before commsched.prepare\(\)")):
+            rf"rank \(this is rank {rank}\): rank\(s\) \[1\]: ValueError: optimizer param_groups\[0\]\['params'\]"
+            r"\[\d+\] \(shape \(3,\)\) is not a parameter of the model being prepared")):
             commsched.prepare(model, optimizer)
 
     return case
@@ -270,7 +268,7 @@ def agreement_grid(rank: int, world_size: int) -> float | None:
         **{f"strategy_{field}": case_strategy_differs(rank, field) for field in STRATEGY_FIELDS},
         **{name: case_optimizer_differs(rank, name) for name in DIFFERING_OPTIMIZERS},
         "equal_numbers_written_differently": case_equal_numbers_written_differently(rank),
-        "scheduler_before_prepare_on_one_rank": case_scheduler_before_prepare_on_one_rank(rank),
+        "foreign_parameter_on_one_rank": case_foreign_parameter_on_one_rank(rank),
         "parameter_server_without_optimizer_on_one_rank": case_parameter_server_without_optimizer_on_one_rank(rank),
         "no_trainable_parameters": case_no_trainable_parameters,
         "frozen_on_one_rank": case_frozen_on_one_rank(rank),

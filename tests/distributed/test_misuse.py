@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _get_default_store
 
 import commsched
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
 from tests.shared_ranks import in_shared_ranks
@@ -87,11 +89,30 @@ def case_optimizer_with_foreign_parameters():
 
 
 def case_lr_scheduler_created_before_prepare():
-    model = ParityNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
-    with pytest.raises(RuntimeError, match="create LR schedulers after prepare"):
-        commsched.prepare(model, optimizer)
+    """As Lightning and accelerate build them: the scheduler goes on counting the prepared
+    optimizer's steps (no "lr_scheduler.step() before optimizer.step()" warning), which are
+    commsched's (the optimizer's own class would skip its per-bucket updates)."""
+    trained = []
+    for scheduler_first in (True, False):
+        torch.manual_seed(0)
+        model = ParityNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if scheduler_first:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        model, optimizer = commsched.prepare(model, optimizer)
+        if not scheduler_first:
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(WARMUP_ITERATIONS + 3):
+                train_step(model, optimizer)
+                scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** (WARMUP_ITERATIONS + 3))
+        assert commsched.status(model).overlapping
+        trained.append([p.detach().clone() for p in model.parameters()])
+        commsched.release(model)
+    for before, after in zip(*trained, strict=True):
+        torch.testing.assert_close(before, after, rtol=0, atol=0)
 
 
 def case_lr_scheduler_after_prepare_works():

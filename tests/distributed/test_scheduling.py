@@ -330,9 +330,12 @@ def case_control_flow_that_changes_in_warmup_is_gated_at_the_start(rank, world_s
     assert_same_parameters(model, reference)
 
 
-def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
+def case_realistic_loop_with_clipping_matches_ddp(rank, world_size, synchronize_first=False):
     """AdamW with decay / no-decay groups, clip_grad_norm_ after backward, zero_grad(set_to_none=True),
-    snapshots through model.module when present: only the wrap differs from the DDP version."""
+    snapshots through model.module when present: only the wrap differs from the DDP version.
+
+    ``synchronize_first``: ``optimizer.synchronize()`` before clipping, every iteration, keeps
+    forward overlap on."""
     torch.manual_seed(0)
     base = ParityNet()
 
@@ -347,6 +350,8 @@ def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
             loss = F.mse_loss(model(x), y)
             loss.backward()
+            if synchronize_first and isinstance(optimizer, commsched.CommschedOptimizer):
+                optimizer.synchronize()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -364,6 +369,9 @@ def case_realistic_loop_with_clipping_matches_ddp(rank, world_size):
     for key, value in ddp_snapshot.items():
         torch.testing.assert_close(our_snapshot[key], value, rtol=1e-4, atol=1e-5)
     status = commsched.status(ours)
+    if synchronize_first:
+        assert status.overlap_off_reason is None and status.lifecycle is commsched.Lifecycle.OVERLAPPING, status
+        return
     reason = status.overlap_off_reason
     assert reason is not None and "clip_grad_norm_" in reason
     assert status.lifecycle is commsched.Lifecycle.SYNCHRONOUS
@@ -537,6 +545,8 @@ def behaviours(rank: int, world_size: int) -> None:
         "control_flow_changes_in_warmup": functools.partial(
             case_control_flow_that_changes_in_warmup_is_gated_at_the_start, rank, world_size),
         "realistic_loop_with_clipping": functools.partial(case_realistic_loop_with_clipping_matches_ddp, rank, world_size),
+        "clipping_after_synchronize_keeps_overlap": functools.partial(
+            case_realistic_loop_with_clipping_matches_ddp, rank, world_size, synchronize_first=True),
         "gradient_change_during_overlap": functools.partial(case_gradient_change_during_overlap_is_an_error, rank, world_size),
         "unsupported_optimizer": functools.partial(case_unsupported_optimizer_still_trains, rank, world_size),
         "forward_order_sets_priority": functools.partial(case_forward_order_sets_priority, rank, world_size),

@@ -1,0 +1,186 @@
+"""Code written for torch DDP, run on commsched: DDP's attributes and idioms, and the drop-in wrapper.
+
+Each script runs once on torch DDP and once on commsched, with only the
+wrapping line changed; the parameters must match (torch DDP is the reference
+here: it is what these scripts were written against).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import commsched
+from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle
+from commsched.testing import run_subtests
+from tests.shared_ranks import in_shared_ranks
+
+pytestmark = pytest.mark.distributed
+
+STEPS = WARMUP_ITERATIONS + 5
+MICRO_STEPS = 3
+
+
+def net(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
+
+
+def nanogpt_loop(model, optimizer, rank, scheduler=None, device="cpu", inputs_on="cpu"):
+    """nanoGPT's accumulation: ``require_backward_grad_sync`` is True only for the last micro-step.
+
+    ``inputs_on``: where the inputs are made (a wrapper given ``device_ids`` moves them).
+    """
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        for micro_step in range(MICRO_STEPS):
+            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+            (F.mse_loss(model(x.to(inputs_on)), y.to(device)) / MICRO_STEPS).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def assert_same_state(actual: dict, expected: dict) -> None:
+    assert list(actual) == list(expected)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def torch_ddp_reference(rank, with_scheduler=False, device="cpu"):
+    device_ids = None if device == "cpu" else [torch.device(device)]
+    model = TorchDDP(net(device), device_ids=device_ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5) if with_scheduler else None
+    nanogpt_loop(model, optimizer, rank, scheduler, device)
+    return model.module.state_dict()
+
+
+def case_require_backward_grad_sync(rank):
+    """One synchronised backward pass per optimizer step, and DDP's parameters."""
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer = commsched.prepare(model, optimizer)
+    raw_model = model.module
+    assert raw_model is model
+    nanogpt_loop(model, optimizer, rank)
+    status = commsched.status(model)
+    assert status.iterations == STEPS, f"{status.iterations} synchronised backward passes for {STEPS} steps"
+    assert status.lifecycle is Lifecycle.OVERLAPPING, status
+    assert_same_state(raw_model.state_dict(), torch_ddp_reference(rank))
+    commsched.release(model)
+
+
+def case_drop_in(rank, device="cpu"):
+    """torch DDP's script, the import swapped: the optimizer and its scheduler built after the
+    wrapper are adopted, the checkpoint keys and isinstance checks are DDP's (on a GPU, with
+    ``device_ids``, the inputs are moved as torch DDP moves them)."""
+    device_ids = None if device == "cpu" else [torch.device(device)]
+    model = commsched.DistributedDataParallel(net(device), device_ids=device_ids, find_unused_parameters=True,
+                                              bucket_cap_mb=25)
+    assert isinstance(model, TorchDDP)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5)
+    nanogpt_loop(model, optimizer, rank, scheduler, device)
+    status = commsched.status(model.module)
+    assert status.iterations == STEPS and status.lifecycle is Lifecycle.OVERLAPPING, status
+    assert isinstance(optimizer, commsched.CommschedOptimizer), type(optimizer)
+    reference = torch_ddp_reference(rank, with_scheduler=True, device=device)
+    assert_same_state(model.module.state_dict(), reference)
+    assert_same_state(model.state_dict(), {f"module.{k}": v for k, v in reference.items()})
+    assert scheduler.get_last_lr() == [1e-2 * 0.5 ** (STEPS // 3)], scheduler.get_last_lr()
+    with pytest.raises(RuntimeError, match="reduce_dtype"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(RuntimeError, match=r"model\.module"):
+        torch.save(model, io.BytesIO())
+    commsched.release(model.module)
+
+
+def case_drop_in_with_uneven_inputs(rank):
+    """``with model.join():`` as torch DDP's, one rank a batch short."""
+    results = []
+    for wrap in (TorchDDP, commsched.DistributedDataParallel):
+        model = wrap(net())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        generator = torch.Generator().manual_seed(7 + rank)
+        with model.join():
+            for _ in range(STEPS - rank):
+                x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+                F.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        results.append(model.module.state_dict())
+        if wrap is not TorchDDP:
+            commsched.release(model.module)
+    assert_same_state(results[1], results[0])
+
+
+def case_refused_arguments(rank):
+    """What the drop-in cannot honour fails at once, naming what to use instead (nothing collective runs)."""
+    refused = {
+        "mixed_precision": (dict(mixed_precision=object()), "reduce_dtype"),
+        "bucket_cap_mb_list": (dict(bucket_cap_mb_list=[1, 25]), "bucket_cap_mb"),
+        "delay_all_reduce_named_params": (dict(delay_all_reduce_named_params=[]), "leave it None"),
+        "dim": (dict(dim=1), "dim must be 0"),
+        "device_ids": (dict(device_ids=[1]), "must name the one device"),
+        "buffers": (dict(broadcast_buffers=True, forward_sync_buffers=False), "disagree"),
+    }
+    for arguments, message in refused.values():
+        with pytest.raises(ValueError, match=message):
+            commsched.DistributedDataParallel(net(), **arguments)
+
+
+def case_model_with_its_own_module(rank):
+    """A model whose own submodule is named ``module`` keeps it, with a warning."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = net()
+
+        def forward(self, x):
+            return self.module(x)
+
+    model = Wrapper()
+    inner = model.module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.module is inner
+    assert any("attribute of its own named 'module'" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    commsched.release(model)
+
+
+def case_optimizer_over_some_parameters(rank):
+    """The drop-in adopts one optimizer over every parameter; a second one is refused with the fixes."""
+    model = commsched.DistributedDataParallel(net())
+    body, head = list(model.module[:3].parameters()), list(model.module[3:].parameters())
+    optimizers = [torch.optim.SGD(body, lr=0.1), torch.optim.Adam(head, lr=0.1)]
+    F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+    with pytest.raises(RuntimeError, match="adopts one optimizer over every trainable parameter"):
+        optimizers[0].step()
+    commsched.release(model.module)
+
+
+def ddp_idioms(rank: int, world_size: int) -> None:
+    run_subtests({
+        "require_backward_grad_sync and .module after prepare()": lambda: case_require_backward_grad_sync(rank),
+        "the drop-in wrapper adopts the optimizer built after it": lambda: case_drop_in(rank),
+        "the drop-in's join()": lambda: case_drop_in_with_uneven_inputs(rank),
+        "refused arguments": lambda: case_refused_arguments(rank),
+        "a model with its own 'module'": lambda: case_model_with_its_own_module(rank),
+        "an optimizer over some parameters": lambda: case_optimizer_over_some_parameters(rank),
+    })
+
+
+@in_shared_ranks(ddp_idioms, 2, timeout_s=240)
+def test_ddp_scripts_run_unchanged(shared_ranks):
+    shared_ranks.result()
