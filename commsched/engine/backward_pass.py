@@ -42,7 +42,7 @@ from commsched.comm.transport import Handle, Transport
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
 from commsched.engine.events import Observer
-from commsched.engine.finite import FiniteCheck
+from commsched.engine.finite import FiniteCheck, flag_nonfinite
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -297,7 +297,7 @@ class BackwardPass:
                 groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
         for (device, _), grads in groups.items():  # the kernel takes one device and dtype at a time
             found = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=device))
+            flag_nonfinite(grads, found, torch.ones(1, device=device))
             if found.item():
                 return True
         return False

@@ -53,8 +53,7 @@ class FiniteCheck:
         found = torch.zeros(1, dtype=torch.float32, device=device)
         if self._one is None or self._one.device != device:
             self._one = torch.ones(1, dtype=torch.float32, device=device)
-        # GradScaler's kernel: finds infs/NaNs into a device flag; multiplying by one changes nothing.
-        torch._amp_foreach_non_finite_check_and_unscale_(bucket.grad_views, found, self._one)
+        flag_nonfinite(bucket.grad_views, found, self._one)
         self._found.append(found)
         self._checked.append(bucket.index)
 
@@ -120,6 +119,21 @@ class FiniteCheck:
             f"{then}. Look for a division by zero, a log of zero or an overflow in that rank's loss or data; "
             "with float16, use torch.amp.GradScaler."
         )
+
+
+def flag_nonfinite(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
+    """Make ``found`` (one float32 on the gradients' device) non-zero if some of ``grads`` (one
+    dtype and device) holds inf or NaN, without a host wait.
+
+    GradScaler's kernel does it in one launch, multiplying by ``one`` (which
+    changes nothing); on CUDA it has no bfloat16 version, so bfloat16 gradients
+    there are checked tensor by tensor.
+    """
+    if grads and grads[0].is_cuda and grads[0].dtype == torch.bfloat16:
+        for grad in grads:
+            found.add_(torch.isfinite(grad).logical_not().any())
+        return
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

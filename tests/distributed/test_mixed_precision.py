@@ -12,7 +12,8 @@ own scaling support). Infs come from the data, so one process sees them too.
 parameters sent as bfloat16, against one process whose gradients are summed the
 same way (`reduce_like_strategy`), through every scheduling path, ``no_sync``,
 a ``GradScaler`` and unused parameters; bfloat16 on the wire also against one
-float32 process.
+float32 process. ``tests/gpu/`` runs these cases on CUDA too (on one rank, where
+nothing is summed, against one process reducing nothing).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.engine.reducer import ONE_REPLICA_REASON
 from commsched.testing import OPTIMIZERS, assert_same_parameters, one_process_loss, reference_copy, run_subtests
 from commsched.testing.models import ParityNet
+from commsched.update.fused import FUSED_DTYPES
 from commsched.update.grad_scaling import GRAD_SCALER_REASON
 from tests.distributed.test_allreduce_parity import batches, rank_slice, uses_aux
 from tests.shared_ranks import in_shared_ranks
@@ -208,11 +210,11 @@ BFLOAT16_WIRE_ERROR = 2e-2
 `REDUCE_ITERATIONS` steps, relative to how far training moved the parameter."""
 
 
-def parity_net(dtype: torch.dtype) -> nn.Module:
-    """`ParityNet` (a float64 parameter, one unused on some ranks or all, one never used) with
-    its float32 parameters in ``dtype``."""
+def parity_net(dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+    """`ParityNet` (a float64 parameter, one unused on some ranks or all, one never used) on
+    ``device``, with its float32 parameters in ``dtype``."""
     torch.manual_seed(0)
-    model = ParityNet()
+    model = ParityNet().to(device)
     for param in model.parameters():
         if param.dtype == torch.float32:
             param.data = param.data.to(dtype)
@@ -261,6 +263,17 @@ def reduce_like_strategy(model, backward, world_size, wire):
         param.grad = total.to(param.dtype)
 
 
+def assert_same_update(actual: torch.Tensor, expected: torch.Tensor, what: str, fused_on_gpu: bool) -> None:
+    """Bit for bit; to float tolerance where ``fused_on_gpu`` and torch's fused kernel made
+    ``actual`` (float32 and float64, see `FUSED_DTYPES`): on CUDA torch.optim runs its foreach
+    kernel, which rounds otherwise (on the CPU the two agree here)."""
+    actual = actual.to(expected.device)  # a fused Adam keeps its step count on the GPU, foreach on the host
+    if fused_on_gpu and actual.dtype in FUSED_DTYPES:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(actual, expected), f"{what} differs by up to {(actual - expected).abs().max().item():.3g}"
+
+
 def parameter_error(model: nn.Module, reference: nn.Module, initial: dict[str, torch.Tensor]) -> float:
     """The largest difference from ``reference``, per parameter relative to how far training moved it."""
     model.state_dict()  # waits for pending updates
@@ -273,7 +286,8 @@ def parameter_error(model: nn.Module, reference: nn.Module, initial: dict[str, t
     return max(errors)
 
 
-def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label, micro_batches=1, scaled=False):
+def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label, micro_batches=1, scaled=False,
+                    device="cpu"):
     """``Strategy(reduce_dtype=...)`` against one process whose gradients are summed the same way.
 
     Summed in float32 (16-bit parameters): bit for bit, parameters and optimizer state, since
@@ -283,12 +297,14 @@ def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label
     emulation's bit for bit. Sent as bfloat16, the emulation differs from a reduction in float32,
     so a reduction left in the parameters' dtype fails the case; summing two bfloat16 halves in
     float32 changes no value, so there the dtype and the bytes on the wire (`commsched.status`)
-    tell, and `float32_sum_on_three_ranks` the values.
+    tell, and `float32_sum_on_three_ranks` the values. One replica sums nothing, in no dtype: its
+    gradients and parameters are those of one process reducing nothing.
     """
-    wire = SUMMED_IN_FLOAT32 if reduce_dtype == torch.float32 else SENT_AS_BFLOAT16
+    summed = world_size > 1
+    wire = {} if not summed else SUMMED_IN_FLOAT32 if reduce_dtype == torch.float32 else SENT_AS_BFLOAT16
 
     def run() -> None:
-        model = parity_net(dtype)
+        model = parity_net(dtype, device)
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         make = OPTIMIZERS[optimizer_name]
         emulated, emulated_optimizer = reference_copy(model, make)
@@ -296,8 +312,9 @@ def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label
         unchanged = copy.deepcopy(model)  # its gradients reduced in the parameters' own dtype
         strategy = commsched.Strategy(reduce_dtype=reduce_dtype, **REDUCE_STRATEGIES[label])
         model, optimizer = commsched.prepare(model, make(model.parameters()), strategy)
-        scaler, emulated_scaler = (new_scaler(), new_scaler()) if scaled else (None, None)
+        scaler, emulated_scaler = (new_scaler(device), new_scaler(device)) if scaled else (None, None)
         for iteration, (x, y) in enumerate(batches(world_size, REDUCE_ITERATIONS)):
+            x, y = x.to(device), y.to(device)
             if scaled and iteration in INF_AT:
                 x[1, 3] = float("inf")  # rank 0's sample: both skip this step
             backward_of_share(model, x, y, iteration, rank, micro_batches, scaler)
@@ -315,7 +332,7 @@ def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label
                                                    msg=lambda m, n=name: f"'{n}': not the gradient summed in {wire}")
                         finite = e.grad.isfinite() & u.grad.isfinite()
                         changed += bool((e.grad[finite] != u.grad[finite]).any())
-                assert changed > 0 or reduce_dtype == torch.float32, (
+                assert changed > 0 or reduce_dtype == torch.float32 or not summed, (
                     "bfloat16 on the wire changed no gradient here: the case proves nothing")
             if scaled:
                 scaler.step(optimizer)
@@ -336,25 +353,26 @@ def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label
         status = commsched.status(model)
         figures = status.current_iteration
         commsched.release(model)
-        overlapping = strategy.overlap_forward and not scaled
-        assert status.lifecycle is commsched.Lifecycle.OVERLAPPING if overlapping else commsched.Lifecycle.SYNCHRONOUS
+        overlapping = strategy.overlap_forward and not scaled and summed
+        assert status.lifecycle is (commsched.Lifecycle.OVERLAPPING if overlapping else commsched.Lifecycle.SYNCHRONOUS)
         for bucket in status.buckets:  # float64 keeps its own dtype
             on_wire = wire.get(getattr(torch, bucket.dtype), getattr(torch, bucket.dtype))
             assert bucket.reduce_dtype == str(on_wire).removeprefix("torch."), bucket
             assert bucket.wire_nbytes * getattr(torch, bucket.dtype).itemsize == bucket.nbytes * on_wire.itemsize
         assert figures.bytes_issued == sum(b.wire_nbytes for b in status.buckets)
-        assert f"gradients summed in {str(reduce_dtype).removeprefix('torch.')}" in status.describe()
+        assert (f"gradients summed in {str(reduce_dtype).removeprefix('torch.')}" in status.describe()) == summed
         if reduce_dtype == torch.float32 or not strategy.fuse_optimizer:
+            fused_on_gpu = strategy.fuse_optimizer and torch.device(device).type != "cpu"
             for (name, a), e in zip(model.named_parameters(), emulated.parameters(), strict=True):
-                assert torch.equal(a, e), f"'{name}' differs by up to {(a - e).abs().max().item():.3g}"
+                assert_same_update(a, e, f"'{name}'", fused_on_gpu)
             state, emulated_state = optimizer.state_dict()["state"], emulated_optimizer.state_dict()["state"]
             assert state.keys() == emulated_state.keys() and state
             for index, entries in emulated_state.items():
                 for key, value in entries.items():
-                    assert torch.equal(state[index][key], value), f"state[{index}][{key!r}] differs"
+                    assert_same_update(state[index][key], value, f"state[{index}][{key!r}]", fused_on_gpu)
         else:
             assert_same_parameters(model, emulated, rtol=1e-5, atol=1e-6)
-        if reduce_dtype == torch.bfloat16 and not scaled:
+        if reduce_dtype == torch.bfloat16 and not scaled and summed:
             error = parameter_error(model, exact, initial)
             assert parameter_error(emulated, exact, initial) > 1e-4, "bfloat16 on the wire left no trace"
             assert error < BFLOAT16_WIRE_ERROR, f"parameter error {error:.3g} against one float32 process"
@@ -362,9 +380,21 @@ def case_reduced_in(rank, world_size, dtype, reduce_dtype, optimizer_name, label
     return run
 
 
-def case_reduce_dtype_differs(rank):
+def grad_scaler_unscales_bfloat16(device: str) -> bool:
+    """Whether ``GradScaler`` can unscale bfloat16 gradients on ``device``: on the CPU, not on CUDA,
+    whose kernel takes float16, float32 and float64 alone (torch 2.10 at least)."""
+    grads = [torch.ones(1, dtype=torch.bfloat16, device=device)]
+    found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    except RuntimeError:  # NotImplementedError: "... not implemented for 'BFloat16'"
+        return False
+    return True
+
+
+def case_reduce_dtype_differs(rank, device="cpu"):
     def run() -> None:
-        model = parity_net(torch.float32)
+        model = parity_net(torch.float32, device)
         strategy = commsched.Strategy(reduce_dtype=torch.bfloat16 if rank == 1 else None)
         with pytest.raises(ValueError, match=r"different Strategy.reduce_dtype on different ranks: None on rank\(s\) "
                                              r"\[0\]; torch.bfloat16 on rank\(s\) \[1\]"):
@@ -373,35 +403,46 @@ def case_reduce_dtype_differs(rank):
     return run
 
 
-def reduce_dtype_cases(rank: int, world_size: int) -> None:
+def reduce_dtype_cases(rank: int, world_size: int, device: str = "cpu") -> None:
+    """Every case, with the models and data on ``device``."""
     f32, bf16 = torch.float32, torch.bfloat16
-    run_subtests({
+    cases = {
         "summed in float32/bfloat16/sgd_momentum/default": case_reduced_in(
-            rank, world_size, bf16, f32, "sgd_momentum", "default"),
+            rank, world_size, bf16, f32, "sgd_momentum", "default", device=device),
         "summed in float32/bfloat16/adam_eps_1e-4/small partitions": case_reduced_in(
-            rank, world_size, bf16, f32, "adam_eps_1e-4", "small partitions"),
+            rank, world_size, bf16, f32, "adam_eps_1e-4", "small partitions", device=device),
         "summed in float32/float16/sgd_momentum/no overlap": case_reduced_in(
-            rank, world_size, torch.float16, f32, "sgd_momentum", "no overlap"),
+            rank, world_size, torch.float16, f32, "sgd_momentum", "no overlap", device=device),
         "summed in float32/bfloat16/adamw_eps_1e-4/no_sync": case_reduced_in(
-            rank, world_size, bf16, f32, "adamw_eps_1e-4", "default", micro_batches=2),
+            rank, world_size, bf16, f32, "adamw_eps_1e-4", "default", micro_batches=2, device=device),
         "summed in float32/bfloat16/sgd_momentum/GradScaler": case_reduced_in(
-            rank, world_size, bf16, f32, "sgd_momentum", "default", scaled=True),
+            rank, world_size, bf16, f32, "sgd_momentum", "default", scaled=True, device=device),
         "sent as bfloat16/sgd_momentum/default": case_reduced_in(
-            rank, world_size, f32, bf16, "sgd_momentum", "default"),
+            rank, world_size, f32, bf16, "sgd_momentum", "default", device=device),
         "sent as bfloat16/adam/small partitions, no priority": case_reduced_in(
-            rank, world_size, f32, bf16, "adam", "small partitions, no priority"),
+            rank, world_size, f32, bf16, "adam", "small partitions, no priority", device=device),
         "sent as bfloat16/adam/unfused, no overlap": case_reduced_in(
-            rank, world_size, f32, bf16, "adam", "unfused, no overlap"),
+            rank, world_size, f32, bf16, "adam", "unfused, no overlap", device=device),
         "sent as bfloat16/sgd_momentum/no_sync": case_reduced_in(
-            rank, world_size, f32, bf16, "sgd_momentum", "default", micro_batches=2),
+            rank, world_size, f32, bf16, "sgd_momentum", "default", micro_batches=2, device=device),
         "sent as bfloat16/sgd_momentum/GradScaler": case_reduced_in(
-            rank, world_size, f32, bf16, "sgd_momentum", "default", scaled=True),
-        "ranks disagree": case_reduce_dtype_differs(rank),
-    })
+            rank, world_size, f32, bf16, "sgd_momentum", "default", scaled=True, device=device),
+    }
+    if world_size > 1:  # one rank has no other to disagree with
+        cases["ranks disagree"] = case_reduce_dtype_differs(rank, device)
+    if not grad_scaler_unscales_bfloat16(device):  # (CUDA) torch itself cannot run this case, in one process either
+        del cases["summed in float32/bfloat16/sgd_momentum/GradScaler"]
+    run_subtests(cases)
 
 
 @in_shared_ranks(reduce_dtype_cases, 2, timeout_s=240)
 def test_reduce_dtype_matches_one_process_reducing_alike(shared_ranks):
+    shared_ranks.result()
+
+
+@in_shared_ranks(reduce_dtype_cases, 1, timeout_s=240)
+def test_reduce_dtype_one_rank(shared_ranks):
+    """The cases tests/gpu runs on one NCCL rank, here on CPU: one replica sums nothing."""
     shared_ranks.result()
 
 

@@ -1,5 +1,7 @@
 """The CPU suite's exactness cases on CUDA: NCCL with one rank per GPU, gloo with CUDA tensors.
 
+Mixed precision, ``Strategy(check_finite=...)`` and ``Strategy(reduce_dtype=...)``.
+
 Skipped without a GPU (CI has none). On a GPU machine: ``./scripts/test tests/gpu``.
 NCCL refuses two ranks on one device, so on a single GPU two ranks use gloo with
 CUDA tensors, and NCCL runs one rank (or one per GPU where there are several).
@@ -15,7 +17,9 @@ import torch.nn.functional as F
 import commsched
 from commsched.testing import run_ranks
 from commsched.testing.models import BatchNormNet
-from tests.distributed.test_mixed_precision import mixed_precision_cases
+from tests.distributed.test_check_finite import check_finite
+from tests.distributed.test_ddp_idioms import case_drop_in
+from tests.distributed.test_mixed_precision import mixed_precision_cases, reduce_dtype_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,3 +64,33 @@ def nccl_models_share_side_groups(rank: int, world_size: int) -> str:
 
 def test_nccl_models_share_one_side_group_per_group():
     assert run_ranks(nccl_models_share_side_groups, 1, backend="nccl", timeout_s=300) == ["trained"]
+
+
+def test_check_finite_nccl_one_rank():
+    """One rank's inf skips the step; the verdict reaches the host through pinned memory and an event."""
+    run_ranks(check_finite, 1, "cuda", backend="nccl", timeout_s=240)
+
+
+def test_check_finite_gloo_with_cuda_tensors_two_ranks():
+    """As on one rank, with forward overlap: the second inf comes with updates pending at the gates."""
+    run_ranks(check_finite, 2, "cuda", timeout_s=240)
+
+
+def test_reduce_dtype_nccl_one_rank():
+    """One replica sums nothing: ``reduce_dtype`` changes no gradient."""
+    run_ranks(reduce_dtype_cases, 1, "cuda", backend="nccl", timeout_s=240)
+
+
+def test_reduce_dtype_gloo_with_cuda_tensors_two_ranks():
+    """The casts onto the wire and back on the GPU, the sum (gloo's) on the host."""
+    run_ranks(reduce_dtype_cases, 2, "cuda", timeout_s=240)
+
+
+def drop_in_on_cuda(rank: int, world_size: int) -> None:
+    case_drop_in(rank, "cuda")
+
+
+def test_ddp_drop_in_gloo_with_cuda_tensors_two_ranks():
+    """commsched.DistributedDataParallel(device_ids=[0]) against torch DDP on the same GPU: inputs
+    made on the host are moved by the wrapper, the adopted optimizer updates on the GPU."""
+    run_ranks(drop_in_on_cuda, 2, timeout_s=240)
