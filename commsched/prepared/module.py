@@ -11,15 +11,15 @@ import copyreg
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, SupportsIndex
 
 import torch
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+# At run time, not only for type checkers: frameworks read the annotations of the
+# classes commsched mixes in (transformers calls typing.get_type_hints on each model class).
+from commsched.engine.reducer import GradientReducer
 from commsched.update.kinds import USER_CLASS_ATTRIBUTE
-
-if TYPE_CHECKING:
-    from commsched.engine.reducer import GradientReducer
 
 _PACKAGE = __name__.partition(".")[0]
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, SupportsIndex
 
 import torch
 
 from commsched.engine.lifecycle import Lifecycle
+
+# At run time, not only for type checkers: frameworks read the annotations of the
+# classes commsched mixes in (transformers calls typing.get_type_hints on each model class).
+from commsched.engine.reducer import GradientReducer
 from commsched.prepared.foreign_optimizers import user_synchronized
 from commsched.update.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
 from commsched.update.kinds import user_class
-
-if TYPE_CHECKING:
-    from commsched.engine.reducer import GradientReducer
 
 
 class CommschedOptimizer:
