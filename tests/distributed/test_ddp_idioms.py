@@ -8,6 +8,7 @@ here: it is what these scripts were written against).
 from __future__ import annotations
 
 import io
+import typing
 import warnings
 
 import pytest
@@ -71,6 +72,7 @@ def case_require_backward_grad_sync(rank):
     model, optimizer = commsched.prepare(model, optimizer)
     raw_model = model.module
     assert raw_model is model
+    typing.get_type_hints(type(model)), typing.get_type_hints(type(optimizer))  # as transformers reads them
     nanogpt_loop(model, optimizer, rank)
     status = commsched.status(model)
     assert status.iterations == STEPS, f"{status.iterations} synchronised backward passes for {STEPS} steps"
