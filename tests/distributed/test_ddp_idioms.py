@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -33,13 +34,16 @@ def net(device: str = "cpu") -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
 
 
-def nanogpt_loop(model, optimizer, rank, scheduler=None, device="cpu", inputs_on="cpu"):
+def nanogpt_loop(model, optimizer, rank, scheduler=None, device="cpu", inputs_on="cpu", on_step=None):
     """nanoGPT's accumulation: ``require_backward_grad_sync`` is True only for the last micro-step.
 
     ``inputs_on``: where the inputs are made (a wrapper given ``device_ids`` moves them).
+    ``on_step(step)``: runs before each optimizer step's micro-steps.
     """
     generator = torch.Generator().manual_seed(100 + rank)
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if on_step is not None:
+            on_step(step)
         for micro_step in range(MICRO_STEPS):
             model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
             x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
@@ -73,8 +77,26 @@ def case_require_backward_grad_sync(rank):
     raw_model = model.module
     assert raw_model is model
     typing.get_type_hints(type(model)), typing.get_type_hints(type(optimizer))  # as transformers reads them
-    nanogpt_loop(model, optimizer, rank)
+    group, calls, real_all_reduce = commsched.status(model).process_groups.replicas, [], dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        if kwargs.get("group") is group:
+            calls.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def count_after_warmup(step):
+        if step == WARMUP_ITERATIONS + 1:  # the link's calibration and the plan are behind
+            dist.all_reduce = counting_all_reduce
+
+    try:
+        nanogpt_loop(model, optimizer, rank, on_step=count_after_warmup)
+    finally:
+        dist.all_reduce = real_all_reduce
     status = commsched.status(model)
+    counted_steps = STEPS - WARMUP_ITERATIONS - 1
+    assert len(calls) == status.partitions * counted_steps, (
+        f"{len(calls)} all-reduces in {counted_steps} optimizer steps of {MICRO_STEPS} micro-steps, "
+        f"{status.partitions} partition(s) each")
     assert status.iterations == STEPS, f"{status.iterations} synchronised backward passes for {STEPS} steps"
     assert status.lifecycle is Lifecycle.OVERLAPPING, status
     assert_same_state(raw_model.state_dict(), torch_ddp_reference(rank))
