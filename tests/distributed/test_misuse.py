@@ -201,9 +201,15 @@ def hung_peer(rank: int, world_size: int, hang_at: int, device: str = "cpu") -> 
         store.wait(["rank 0 gave up"])
         # Rank 0 is leaving. Whether this rank's collective still completes (rank 0's
         # half may already sit in its socket) or fails is up to timing; it must not
-        # hang, which the harness's timeout checks.
+        # hang, which the harness's timeout checks. Before the first forward pass, the
+        # forward alone meets rank 0's collective: a backward after it would leave an
+        # all-reduce that no rank ever joins in flight when rank 0's sockets close,
+        # which gloo may answer by ending this process.
         try:
-            train_step(model, optimizer)
+            if hang_at == 0:
+                model(torch.randn(4, 8, device=device))
+            else:
+                train_step(model, optimizer)
         except commsched.CommunicationTimeout:
             pass
         store.set("rank 1 is done", "1")
