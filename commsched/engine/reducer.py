@@ -500,8 +500,9 @@ class GradientReducer:
             current.grads_final = True
 
     def synchronize_for_user(self) -> None:
-        """``optimizer.synchronize()``: as `synchronize`; a loop that calls it before changing
-        gradients in place (clipping) keeps forward overlap, since it will call it every time."""
+        """``optimizer.synchronize()``: as `synchronize`, and noted on the pass. A loop that calls
+        it before changing gradients in place (clipping) keeps forward overlap, since it will call
+        it every time; another optimizer may step after it (see [Note: foreign optimizers])."""
         self.synchronize()
         if self.current is not None:
             self.current.synchronized_by_user = True

@@ -57,10 +57,6 @@ class _Owner(NamedTuple):
 _owners: dict[int, _Owner] = {}
 """id(parameter) -> the prepared model's reducer and the parameter's name there."""
 _prepared_optimizers: weakref.WeakSet = weakref.WeakSet()
-_synchronized: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""reducer -> the backward pass the user last called ``optimizer.synchronize()`` after.
-(commsched synchronizes on its own too, during warm-up: that must not count, or
-the error would come only once forward overlap starts.)"""
 _adopters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """reducer -> how it adopts an optimizer, while it may."""
 _hook: Any = None
@@ -87,17 +83,11 @@ def watch_foreign_optimizers(
         _adopters[reducer] = adopter
 
 
-def user_synchronized(reducer: GradientReducer) -> None:
-    """``optimizer.synchronize()`` returned: the current pass's gradients are averaged."""
-    if reducer.current is not None:
-        _synchronized[reducer] = weakref.ref(reducer.current)
-
-
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Every optimizer's ``step()`` in the process: one dict lookup per parameter."""
     if not _owners or optimizer in _prepared_optimizers:
         return
-    if _adopted(optimizer):
+    if _adopters and _adopted(optimizer):
         return
     checked: set[int] = set()
     for group in optimizer.param_groups:
@@ -156,7 +146,10 @@ def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer
     refusal = reducer.policy.foreign_step_refusal
     if refusal is not None:
         raise RuntimeError(f"{who}. {refusal}. {one_optimizer}.")
-    if reducer.overlap_off_reason is None and not _synchronized_since_backward(reducer):
+    # The user's own synchronize() only: commsched synchronizes on its own too, during
+    # warm-up, and that must not count, or the error would come only once overlap starts.
+    current = reducer.current
+    if reducer.overlap_off_reason is None and not (current is not None and current.synchronized_by_user):
         raise RuntimeError(
             f"{who}. With forward overlap (Strategy.overlap_forward=True) backward() and step() return "
             "before the gradients are averaged across ranks, so it would step with this rank's own "
@@ -166,8 +159,3 @@ def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer
             "stepping this one."
         )
     reducer.synchronize()  # nothing should be in flight now: make sure (cheap when so)
-
-
-def _synchronized_since_backward(reducer: GradientReducer) -> bool:
-    current, synchronized = reducer.current, _synchronized.get(reducer)
-    return current is not None and synchronized is not None and synchronized() is current

@@ -14,7 +14,6 @@ from commsched.engine.lifecycle import Lifecycle
 # At run time, not only for type checkers: frameworks read the annotations of the
 # classes commsched mixes in (transformers calls typing.get_type_hints on each model class).
 from commsched.engine.reducer import GradientReducer
-from commsched.prepared.foreign_optimizers import user_synchronized
 from commsched.update.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
 from commsched.update.kinds import user_class
 
@@ -35,7 +34,6 @@ class CommschedOptimizer:
     def synchronize(self) -> None:
         """Block until every pending gradient reduction (and update) is done."""
         self._commsched_reducer.synchronize_for_user()
-        user_synchronized(self._commsched_reducer)
 
     def step(self, closure: Any = None) -> Any:
         """Release this iteration's update.
