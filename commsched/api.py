@@ -28,7 +28,7 @@ from commsched.comm.agreement import (
     verify_setup_across_ranks,
 )
 from commsched.comm.allreduce import AllReduceTransport
-from commsched.comm.side_groups import control_group_for, side_group_for
+from commsched.comm.side_groups import control_group_for, new_group_like, side_group_for
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
@@ -44,6 +44,7 @@ from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
 from commsched.update.kinds import USER_CLASS_ATTRIBUTE
 from commsched.update.local import LocalUpdate
+from commsched.update.sharded import ShardedUpdate, sharding_refusal
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -96,6 +97,10 @@ def _prepare(
 ) -> tuple[ModelT, OptimizerT | None]:
     strategy = _checked_strategy(strategy)
     _check_model(model)
+    if strategy.shards_optimizer:
+        refusal = sharding_refusal(None if adopt_optimizer else optimizer)
+        if refusal is not None:
+            raise ValueError(refusal)
     group, control_group = _agree(model, optimizer, strategy, process_group, _Entry.PREPARE)
     _warn_of_own_module_attribute(model)
     config = RunConfig.of(strategy)
@@ -115,8 +120,12 @@ def _prepare(
         reducer = GradientReducer(model, config, side.transport, side.policy, groups)
     else:
         groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)
-        policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
-                             overlap_forward=strategy.overlap_forward)
+        if strategy.shards_optimizer:
+            groups.parameters = new_group_like(group)
+            policy = ShardedUpdate(optimizer, strategy.fuse_optimizer, lambda: groups.parameters, strategy.timeout_s)
+        else:
+            policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
+                                 overlap_forward=strategy.overlap_forward)
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype)
         reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
     _mix_in(model, CommschedModule)

@@ -14,6 +14,7 @@ from commsched.engine.groups import ProcessGroups
 from commsched.engine.lifecycle import Lifecycle
 from commsched.engine.reducer import GradientReducer
 from commsched.layout.setting import LayoutSetting
+from commsched.layout.shards import ShardStatus
 from commsched.tuning.decision import Phase
 from commsched.tuning.log import TuningLog
 
@@ -109,6 +110,9 @@ class Status:
     """The bucket size limit in use."""
     first_bucket_mb: float | None = None
     """The first bucket's size limit in use."""
+    sharding: ShardStatus | None = None
+    """With ``AllReduce(shard_optimizer=True)``: what each rank owns and this rank's bytes of
+    optimizer state (None: unsharded)."""
     process_groups: ProcessGroups | None = None
     """The groups the model communicates on (replicas, buffer broadcasts, control messages); None
     once released. The buffer and control groups are commsched's side groups where it needs them."""
@@ -131,6 +135,8 @@ class Status:
         reduction = _reduction(self.buckets)
         if reduction:
             lines.append(f"  reduction: {reduction}")
+        if self.sharding is not None:
+            lines.append(f"  {self.sharding.describe()}")
         if self.tuning is not None:
             lines.append(self.tuning.describe())
         if self.updated_at_step or self.updated_after_forward:
@@ -197,6 +203,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         tuning=_tuning(reducer),
         bucket_cap_mb=layout_in_use.bucket_cap_mb,
         first_bucket_mb=layout_in_use.first_bucket_mb,
+        sharding=reducer.policy.sharding(),
         process_groups=None if groups.replicas is None else replace(groups),
     )
 

@@ -57,6 +57,26 @@ every wait commsched makes (``datetime.timedelta``, ``threading``'s
 class AllReduce:
     """Every rank trains; gradients are averaged over the process group with all-reduce."""
 
+    shard_optimizer: bool = False
+    """Keep the optimizer's state sharded (ZeRO-1): each rank holds the state of, and
+    updates, 1/N of every bucket, and the updated parts are all-gathered into every
+    rank's parameters (at the next forward pass's gates, with forward overlap). Adam's
+    state per rank drops from twice the parameters to twice 1/N of them; the wire
+    carries an all-gather of the parameters besides the all-reduce. Gradients are
+    averaged whole, so every loop stays exact. SGD, Adam and AdamW only; see
+    README's "Sharded optimizer state"."""
+
+    def __repr__(self) -> str:
+        """Only what differs from the default, as it would be written."""
+        return "AllReduce(shard_optimizer=True)" if self.shard_optimizer else "AllReduce()"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(
+                f"AllReduce.shard_optimizer must be True or False, got {self.shard_optimizer!r} "
+                f"({type(self.shard_optimizer).__name__})"
+            )
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParameterServer:
@@ -348,6 +368,11 @@ class Strategy:
         object.__setattr__(self, "backend", backend)
         for name in flat:
             object.__setattr__(self, name, None)
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """True with ``backend=AllReduce(shard_optimizer=True)``."""
+        return isinstance(self.backend, AllReduce) and self.backend.shard_optimizer
 
     @property
     def parameter_server(self) -> bool:

@@ -104,6 +104,15 @@ def side_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _SIDE_GROUPS[group]
 
 
+def new_group_like(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group over ``group``'s ranks with its backend, made as side groups are (see
+    [Note: side groups]); collective. Its owner lets go of it (nothing caches it)."""
+    backend = str(dist.get_backend(group))
+    if dist.get_world_size(group) == dist.get_world_size():
+        return dist.new_group(backend=backend)
+    return dist.new_group(dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True)
+
+
 def side_group_backend(backend: str) -> str:
     """``backend`` (a user group's), with gloo added for CPU tensors where it has none."""
     devices = backend_device_types(backend)

@@ -97,8 +97,11 @@ class BackwardPass:
         self._launch_versions = [0] * num_buckets
         self._reduced = [False] * num_buckets
         self._updated = [False] * num_buckets
+        """Per bucket: its update ran (what it started may still be in flight)."""
+        self._finished = [False] * num_buckets
+        """Per bucket: its update is done, and awaited (`UpdatePolicy.wait_updated`)."""
         self.outstanding = num_buckets
-        """Buckets not yet updated (or marked done by a plain ``optimizer.step()``)."""
+        """Buckets not yet finished (or marked done by a plain ``optimizer.step()``)."""
         self._unowned_slots: list[int] = []
         self._globally_unused: frozenset[int] = frozenset()
         self.views_handed: frozenset[int] = frozenset()
@@ -211,13 +214,54 @@ class BackwardPass:
     # -------------------------------------------------------------- completion
     def complete_buckets(self, buckets: Sequence[int]) -> None:
         """Wait for these buckets' reductions; update those ``step()`` released."""
+        if self._policy.update_order is not None and self.hyperparameters is not None:
+            self._complete_in_order(buckets)
+            return
         for bucket in buckets:
             if not self._updated[bucket]:
                 self._complete_bucket(bucket)
+        self._wait_updated(buckets)
 
     def complete_all(self) -> None:
-        for bucket in range(len(self._layout.buckets)):
+        buckets = range(len(self._layout.buckets))
+        if self._policy.update_order is not None and self.hyperparameters is not None:
+            self._complete_in_order(buckets)
+            return
+        for bucket in buckets:
             self._complete_bucket(bucket)
+        self._wait_updated(buckets)
+
+    def _complete_in_order(self, buckets: Sequence[int]) -> None:
+        """[Note: ordered updates] A policy whose updates start collectives (sharded state's
+        all-gathers) gets them in `UpdatePolicy.update_order` on every rank: the buckets
+        asked for and every bucket before them in that order are updated, then any
+        following ones whose reductions are already complete (their all-gathers then
+        overlap the forward pass up to their gates); then the ones asked for are awaited."""
+        order = self._policy.update_order
+        position = {bucket: i for i, bucket in enumerate(order)}
+        wanted = [b for b in buckets if not self._updated[b]]
+        last = max((position[b] for b in wanted), default=-1)
+        for bucket in order[:last + 1]:
+            if not self._updated[bucket]:
+                self._complete_bucket(bucket)
+        for bucket in order[last + 1:]:
+            if self._updated[bucket]:
+                continue
+            handles = self._handles[bucket]
+            if not (self._reduced[bucket] or (handles and all(h.is_completed() for h in handles))):
+                break
+            self._complete_bucket(bucket)
+        self._wait_updated(buckets)
+
+    def _wait_updated(self, buckets: Sequence[int]) -> None:
+        """The updates of these buckets have finished (see `UpdatePolicy.wait_updated`)."""
+        for bucket in buckets:
+            if self._updated[bucket] and not self._finished[bucket]:
+                started = time.perf_counter()
+                self._policy.wait_updated(bucket)
+                self.figures.exposed_wait_s += time.perf_counter() - started
+                self._finished[bucket] = True
+                self.outstanding -= 1
 
     def _complete_bucket(self, bucket: int) -> None:
         if not self._reduced[bucket]:
@@ -233,11 +277,10 @@ class BackwardPass:
             self.figures.update_s += finished - started
             self._events.bucket_updated(bucket, started, finished)
             self._updated[bucket] = True
-            self.outstanding -= 1
 
     def settled(self, bucket: int) -> bool:
         """Nothing of this pass still writes or reads the bucket's gradients (a reduction or an update)."""
-        return self._reduced[bucket] and (self._updated[bucket] or self.hyperparameters is None)
+        return self._reduced[bucket] and (self._finished[bucket] or self.hyperparameters is None)
 
     def _wait_reduced(self, bucket: int) -> None:
         started = time.perf_counter()
@@ -328,6 +371,7 @@ class BackwardPass:
     def mark_updated(self) -> None:
         """The optimizer stepped every parameter itself (after every reduction)."""
         self._updated = [True] * len(self._layout.buckets)
+        self._finished = [True] * len(self._layout.buckets)
         self.outstanding = 0
 
     def gradients_changed(self) -> bool:

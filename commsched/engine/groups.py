@@ -34,5 +34,10 @@ class ProcessGroups:
     """The order, the cost model's choice, the plan and the auto-tuner's decisions (see
     [Note: control messages] in `commsched.comm.side_groups`)."""
 
+    parameters: dist.ProcessGroup | None = None
+    """With sharded optimizer state, the all-gathers of updated parameters: a group of their own,
+    since they start at the forward pass's gates (see [Note: sharded optimizer state] in
+    `commsched.update.sharded`)."""
+
     def forget(self) -> None:
-        self.replicas = self.buffers = self.control = None
+        self.replicas = self.buffers = self.control = self.parameters = None

@@ -131,8 +131,8 @@ class GradientReducer:
         self.hooks = ModelHooks(module, self.params, self)
         self.buffers = BufferBroadcast(lambda: self._fingerprint.modules, groups, config.timeout_s,
                                        config.broadcast_buffers and transport.world_size > 1)
-        self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s, transport.join_refusal,
-                                          config.overlap_requested)
+        self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
+                                          transport.join_refusal or policy.join_refusal, config.overlap_requested)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current)
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
@@ -591,6 +591,7 @@ class GradientReducer:
             return
         if not communication_failed():  # else nothing in flight will finish: see `Shutdown`
             self.synchronize()
+            self.policy.close()
         self.shutdown()
         self.hooks.remove()
         self.gating.close()

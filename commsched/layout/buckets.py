@@ -100,7 +100,7 @@ class Bucket:
         self.grad_numel = numel
         self.flat = torch.zeros(numel + tail_numel, dtype=dtype, device=device)
         self.grad_views = [
-            _view_like(self.flat, offset, param) for offset, param in zip(self.offsets, self.params)
+            view_like(self.flat, offset, param) for offset, param in zip(self.offsets, self.params)
         ]
         self.tail = self.flat[numel:]
         self.wire = self.flat.data
@@ -148,7 +148,7 @@ class Bucket:
         )
 
 
-def _view_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+def view_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
     """A view of ``flat`` starting at ``offset`` with ``param``'s shape and strides.
 
     Matching the strides (e.g. channels_last weights) keeps autograd's layout

@@ -78,7 +78,10 @@ class CommschedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict; with parameter servers, their state is fetched first."""
         self._commsched_fetch_state()
-        return super().state_dict()  # type: ignore[misc]
+        try:
+            return super().state_dict()  # type: ignore[misc]
+        finally:
+            self._commsched_reducer.policy.drop_fetched_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch.optim does; with parameter servers, the state is sent to them too."""
@@ -100,7 +103,10 @@ class CommschedOptimizer:
         cls = user_class(self)  # type: ignore[arg-type]
         plain = cls.__new__(cls)
         memo[id(self)] = plain
-        plain.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        try:
+            plain.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        finally:
+            self._commsched_reducer.policy.drop_fetched_state()
         return plain
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
@@ -112,8 +118,11 @@ class CommschedOptimizer:
         """
         self._commsched_fetch_state()
         cls = user_class(self)  # type: ignore[arg-type]
+        fields = dict(self.__getstate__())
+        fields["state"] = copy.copy(fields["state"])  # what was fetched leaves self.state below
+        self._commsched_reducer.policy.drop_fetched_state()
         # Not copyreg.__newobj__: pickle lets it rebuild only the pickled object's own (mixed) class.
-        return (cls.__new__, (cls,), self.__getstate__())
+        return (cls.__new__, (cls,), fields)
 
     def _commsched_fetch_state(self) -> None:
         """Pending updates done, and (with parameter servers) their state fetched into ``self.state``."""

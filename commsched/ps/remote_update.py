@@ -29,6 +29,8 @@ class ServerSideUpdate:
 
     overlap_blocker = None
     per_bucket = True
+    update_order = None
+    join_refusal = None
     foreign_step_refusal = (
         "With Strategy(backend=ParameterServer(...)) the servers run the optimizer and the workers' parameters "
         "are replaced by the servers' values, so this update would be lost and its gradient is this worker's own"
@@ -56,6 +58,9 @@ class ServerSideUpdate:
         stage = self._client.stages[bucket]
         for param, values in zip(stage.params, stage.grad_views, strict=True):
             param.copy_(values)
+
+    def wait_updated(self, bucket: int) -> None:
+        """An update is done when it returns (the values were received)."""
 
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """The servers applied this pass's gradients already; only a step on no gradient matches torch."""
@@ -136,6 +141,9 @@ class ServerSideUpdate:
             else:
                 self._optimizer.state.pop(param, None)
 
+    def drop_fetched_state(self) -> None:
+        """Workers keep the fetched state (the servers' copy of it) as torch.optim's."""
+
     def push_optimizer_state(self) -> None:
         """Send ``optimizer.state`` (just loaded from a checkpoint) to the servers."""
 
@@ -176,3 +184,10 @@ class ServerSideUpdate:
             for pid in plan.blocks_of(index):
                 client.send(message(plan.blocks[pid], plan.segments[pid]), server, tag, f"the {what} of block {pid}")
             client.receive(torch.zeros(1, dtype=torch.int64), server, ACK_TAG, f"the acknowledgement of the {what}")
+
+    def close(self) -> None:
+        """The servers are let go of by the transport; the optimizer keeps whatever it holds."""
+
+    def sharding(self) -> None:
+        """The servers hold the state, by block (see `commsched.status`'s server bytes)."""
+        return None

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     import torch
 
     from commsched.layout.grad_layout import GradLayout
+    from commsched.layout.shards import ShardStatus
     from commsched.update.grad_scaling import GradScaling
 
 Hyperparameters = list[dict[str, object]]
@@ -40,6 +41,15 @@ class UpdatePolicy(Protocol):
         """True once buckets are updated one by one; False: the optimizer's own
         ``step()`` runs after every reduction has completed."""
 
+    join_refusal: str | None
+    """Why a rank out of batches cannot shadow the others' iterations under torch's ``Join``
+    with this update (see `Transport.join_refusal`), or None where it can."""
+
+    update_order: tuple[int, ...] | None
+    """The order buckets must be updated in, the same on every rank (their updates start
+    collectives: see [Note: sharded optimizer state] in `commsched.update.sharded`), or None:
+    any order."""
+
     def snapshot(self) -> Hyperparameters:
         """The hyper-parameters to update with, read at ``step()``."""
 
@@ -47,6 +57,9 @@ class UpdatePolicy(Protocol):
                scaling: GradScaling | None) -> None:
         """Give ``bucket``'s parameters their new values (``skip_slots``: no rank had a gradient;
         ``scaling``: a ``GradScaler``'s scale and verdict, see [Note: GradScaler])."""
+
+    def wait_updated(self, bucket: int) -> None:
+        """What `update` left in flight for ``bucket`` is done: its parameters are final."""
 
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """A ``step()`` without this pass's reduced gradients: a second one after
@@ -65,8 +78,17 @@ class UpdatePolicy(Protocol):
     def fetch_optimizer_state(self) -> None:
         """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""
 
+    def drop_fetched_state(self) -> None:
+        """After ``optimizer.state_dict()`` (or a copy) read what `fetch_optimizer_state` brought."""
+
     def push_optimizer_state(self) -> None:
         """After ``optimizer.load_state_dict()``: send the loaded state where it is used."""
 
     def push_parameters(self) -> None:
         """After ``model.load_state_dict()``: send the loaded values where they are kept."""
+
+    def close(self) -> None:
+        """``commsched.release``: the optimizer steps on its own from now on; give it what it needs."""
+
+    def sharding(self) -> ShardStatus | None:
+        """With sharded optimizer state, its layout and this rank's bytes; else None."""

@@ -23,8 +23,9 @@ gives torch.optim's own results bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as functional_adam
@@ -58,16 +59,24 @@ class BucketUpdater:
         bucket_grads: Sequence[Sequence[torch.Tensor]],
         bucket_slots: Sequence[Sequence[int]],
         fused: bool,
+        *,
+        state: MutableMapping[torch.Tensor, dict[str, Any]] | None = None,
+        bucket_groups: Sequence[Sequence[int | None]] | None = None,
     ):
+        """``state``: where the per-tensor state lives (default: ``optimizer.state``, keyed by
+        parameter); ``bucket_groups``: each tensor's param group (default: found by parameter).
+        Both given, the tensors may be fragments of parameters (`commsched.update.sharded`)."""
         self.optimizer = optimizer
         self.kind = optimizer_kind(optimizer)
         self.fused = fused
+        self.state = optimizer.state if state is None else state
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        if bucket_groups is None:
+            bucket_groups = [[group_of.get(id(param)) for param in params] for params in bucket_params]
         self.segments: list[list[_Segment]] = []
-        for params, grads, slots in zip(bucket_params, bucket_grads, bucket_slots, strict=True):
+        for params, grads, slots, groups in zip(bucket_params, bucket_grads, bucket_slots, bucket_groups, strict=True):
             by_group: dict[int, _Segment] = {}
-            for param, grad, slot in zip(params, grads, slots, strict=True):
-                group = group_of.get(id(param))
+            for param, grad, slot, group in zip(params, grads, slots, groups, strict=True):
                 if group is None:
                     continue  # reduced, but the optimizer does not own it
                 segment = by_group.setdefault(group, _Segment(group, [], [], []))
@@ -118,7 +127,7 @@ class BucketUpdater:
 
     def _sgd(self, params: list, grads: list, hp: dict[str, object], flags: dict[str, bool | None],
              scaled: dict[str, torch.Tensor | None], scaling: GradScaling | None) -> None:
-        state = self.optimizer.state
+        state = self.state
         momentum = hp["momentum"]
         kwargs = dict(
             weight_decay=hp["weight_decay"], momentum=momentum, lr=hp["lr"],
@@ -145,7 +154,7 @@ class BucketUpdater:
 
     def _adam(self, params: list, grads: list, hp: dict[str, object], flags: dict[str, bool | None],
               scaled: dict[str, torch.Tensor | None]) -> None:
-        state = self.optimizer.state
+        state = self.state
         amsgrad = hp["amsgrad"]
         fused = bool(flags["fused"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []

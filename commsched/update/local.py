@@ -22,6 +22,8 @@ class LocalUpdate:
     reduction is done (and forward overlap is off)."""
 
     foreign_step_refusal = None
+    update_order = None
+    join_refusal = None
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, fuse_optimizer: bool, overlap_forward: bool):
         """``fuse_optimizer``, ``overlap_forward``: the `Strategy` fields of those names."""
@@ -66,6 +68,9 @@ class LocalUpdate:
                scaling: GradScaling | None) -> None:
         self._updater.update(bucket, hyperparameters, skip_slots, scaling)
 
+    def wait_updated(self, bucket: int) -> None:
+        """An update is done when it returns."""
+
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """The reductions are done and ``.grad`` is what torch.optim would see: its own step is exact."""
         optimizer_step()
@@ -80,8 +85,18 @@ class LocalUpdate:
     def fetch_optimizer_state(self) -> None:
         """The state is the user's optimizer's own."""
 
+    def drop_fetched_state(self) -> None:
+        """The state is the user's optimizer's own."""
+
     def push_optimizer_state(self) -> None:
         """The state is the user's optimizer's own."""
 
     def push_parameters(self) -> None:
         """The parameters are the model's own."""
+
+    def close(self) -> None:
+        """The state is the user's optimizer's own."""
+
+    def sharding(self) -> None:
+        """No state is sharded."""
+        return None

@@ -79,6 +79,8 @@ def settings_seen(model: torch.nn.Module) -> list[tuple[str, object]]:
     """This iteration's tuning state as this rank sees it, to compare across ranks."""
     status = commsched.status(model)
     tuning = status.tuning
+    if tuning is None:  # a strategy without the auto-tuner
+        return [(None, None, status.partitions, status.overlap_off_reason, 0)]
     return [(tuning.phase, tuning.current, status.partitions, status.overlap_off_reason, len(tuning.trials))]
 
 

@@ -112,6 +112,7 @@ def test_replace_moves_between_backends():
     assert dataclasses.replace(ps, bucket_cap_mb=8).backend == ParameterServer(num_servers=2)
     assert dataclasses.replace(ps, backend=AllReduce()).backend == AllReduce()
     assert "num_servers" not in Strategy().describe() and "backend=AllReduce()" in Strategy().describe()
+    assert "backend=AllReduce(shard_optimizer=True)" in Strategy(backend=AllReduce(shard_optimizer=True)).describe()
 
 
 def test_flat_parameter_server_fields_are_a_deprecated_spelling():

@@ -1,0 +1,342 @@
+"""Sharded optimizer state (ZeRO-1): each rank keeps the state of, and updates, 1/N of every bucket.
+
+[Note: sharded optimizer state] Gradients are averaged as the all-reduce
+backend averages them, so every rank holds the full averaged gradients and
+every loop that reads or changes them (clipping, penalties, logging) stays
+exact. Each rank then runs the optimizer on its chunk of every bucket (see
+[Note: shard layout] in `commsched.layout.shards`) with state for that chunk
+only, and the updated chunks are all-gathered into every rank's parameters.
+
+The parameters of a bucket live in one flat buffer of the bucket's padded
+size (``param.data`` becomes a view into it, the same ``Parameter`` objects),
+so the all-gather writes them in place: no copy and no staging buffer. The
+all-gathers go on a process group of their own, issued in one order on every
+rank (`update_order`, the forward order of the buckets): the updates run when
+the forward pass needs them, whose timing differs between ranks, and a group
+shared with anything else would match operations by arrival.
+
+State keeps torch.optim's format wherever it leaves commsched:
+``optimizer.state_dict()`` gathers the full per-parameter state (a collective:
+every rank calls it), ``load_state_dict()`` takes a full one, saved by any
+world size or by plain torch.optim, and keeps this rank's fragments;
+``commsched.release`` hands the full state back to the optimizer.
+
+Why ZeRO-1 and not ZeRO-2 (reduce-scatter of gradients): with gloo,
+``reduce_scatter_tensor`` takes longer than an ``all_reduce`` of the same
+tensor (`benchmarks/collectives.py`), so a reduce-scatter and an all-gather
+cost more than an all-reduce and an all-gather; and full averaged gradients
+keep every loop exact.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import wait_or_raise
+from commsched.layout.buckets import view_like
+from commsched.layout.shards import BucketShard, Fragment, ShardStatus, shard_bucket
+from commsched.update.base import Hyperparameters
+from commsched.update.fused import BucketUpdater
+from commsched.update.grad_scaling import GradScaling
+from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind, unsupported_reason
+
+if TYPE_CHECKING:
+    from commsched.layout.grad_layout import GradLayout
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
+
+FullState = dict[torch.nn.Parameter, dict[str, Any]]
+"""Per parameter, torch.optim's state for it (whole tensors)."""
+
+
+def sharding_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Why ``optimizer``'s state cannot be sharded, or None."""
+    if optimizer is None:
+        return ("Strategy(backend=AllReduce(shard_optimizer=True)) shards an optimizer's state, but no "
+                "optimizer was given to prepare(); pass it as commsched.prepare(model, optimizer, strategy)")
+    reason = unsupported_reason(optimizer)
+    if reason is None:
+        return None
+    return (f"Strategy(backend=AllReduce(shard_optimizer=True)) cannot shard this optimizer's state: {reason}. "
+            "Sharding runs torch's SGD, Adam and AdamW kernels on each rank's part of every bucket; use one "
+            "of them, or AllReduce() (unsharded), where any optimizer works")
+
+
+class ShardedUpdate:
+    """The update policy of ``AllReduce(shard_optimizer=True)``: see [Note: sharded optimizer state]."""
+
+    overlap_blocker = None
+    foreign_step_refusal = None
+    per_bucket = True
+    join_refusal = (
+        "Join (uneven inputs) is not supported with AllReduce(shard_optimizer=True): a rank out of batches "
+        "would have to update its part of every bucket with the hyper-parameters (learning rate, ...) of "
+        "the others' step() calls, which it never sees. Give every rank the same number of batches "
+        "(DistributedSampler(drop_last=True)), or use AllReduce() without sharding."
+    )
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fuse_optimizer: bool,
+                 gather_group: Callable[[], dist.ProcessGroup], timeout_s: float):
+        """``gather_group``: the process group of the all-gathers, read when used (see
+        [Note: process groups at exit] in `commsched.engine.groups`)."""
+        refusal = sharding_refusal(optimizer)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
+        self._kind = optimizer_kind(optimizer)
+        self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self._shards: list[BucketShard] = []
+        self._flats: list[torch.Tensor] = []
+        self._bucket_params: list[tuple[torch.nn.Parameter, ...]] = []
+        self._fragments: list[list[tuple[Fragment, torch.Tensor]]] = []
+        self._state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        """Per fragment of a parameter (its view into the flat buffer), the optimizer's state."""
+        self._updater: BucketUpdater | None = None
+        self._in_flight: dict[int, dist.Work] = {}
+        self._held: FullState | None = None
+        """Whole state between `detach` and `attach` (a new layout), or given before the first."""
+        self.update_order: tuple[int, ...] | None = None
+        """Buckets in the order their updates run on every rank (forward order)."""
+
+    # ------------------------------------------------------------- layout
+    def attach(self, layout: GradLayout) -> None:
+        group = self._group()
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        held = self._held if self._held is not None else self._take_optimizer_state()
+        self._held = None
+        self._shards, self._flats, self._bucket_params, self._fragments = [], [], [], []
+        self._state = defaultdict(dict)
+        for index, bucket in enumerate(layout.buckets):
+            shard = shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
+                                 rank, world_size)
+            flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.flat.device)
+            with torch.no_grad():
+                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    view = view_like(flat, offset, param)
+                    view.copy_(param.detach())
+                    param.data = view
+            fragments = []
+            for fragment in shard.fragments:
+                piece = flat[fragment.bucket_offset:fragment.bucket_offset + fragment.numel]
+                fragments.append((fragment, piece))
+                full = held.get(bucket.params[fragment.position])
+                if full:
+                    self._state[piece] = _slice_state(full, bucket.params[fragment.position], fragment)
+            self._shards.append(shard)
+            self._flats.append(flat)
+            self._bucket_params.append(tuple(bucket.params))
+            self._fragments.append(fragments)
+        self._updater = BucketUpdater(
+            self._optimizer,
+            [[piece for _, piece in fragments] for fragments in self._fragments],
+            [[layout.buckets[b].flat[f.bucket_offset:f.bucket_offset + f.numel] for f, _ in fragments]
+             for b, fragments in enumerate(self._fragments)],
+            [[f.slot for f, _ in fragments] for fragments in self._fragments],
+            fused=self._fused, state=self._state,
+            bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
+                           for fragments in self._fragments],
+        )
+        self.update_order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
+
+    def detach(self) -> None:
+        """The buckets are laid out anew: the whole state is gathered, to be cut anew at `attach`."""
+        self._held = self._gather_state()
+        self._updater = None
+
+    def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
+        raise RuntimeError(
+            "Strategy(backend=AllReduce(shard_optimizer=True)) needs its optimizer at prepare(): pass it as "
+            "commsched.prepare(model, optimizer, strategy) (the drop-in DistributedDataParallel, which adopts "
+            "an optimizer built after it, does not shard)"
+        )
+
+    # ------------------------------------------------------------- updates
+    def snapshot(self) -> Hyperparameters:
+        return hyperparameter_snapshot(self._optimizer, self._kind)
+
+    def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int],
+               scaling: GradScaling | None) -> None:
+        """Update this rank's chunk of ``bucket``, then start gathering every rank's chunk."""
+        self._updater.update(bucket, hyperparameters, skip_slots, scaling)
+        shard, flat = self._shards[bucket], self._flats[bucket]
+        if shard.world_size == 1:
+            return
+        mine = flat[shard.start:shard.start + shard.chunk]
+        self._in_flight[bucket] = all_gather_single(flat, mine, group=self._group(), async_op=True)
+
+    def wait_updated(self, bucket: int) -> None:
+        """Every rank's updated chunk of ``bucket`` is in the parameters."""
+        work = self._in_flight.pop(bucket, None)
+        if work is not None:
+            shard = self._shards[bucket]
+            wait_or_raise(work, self._timeout_s,
+                          f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
+                          f"{shard.chunk} from each rank)")
+
+    def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
+        """Every bucket updated on ``.grad`` as it is now (averaged: every rank holds the same),
+        skipping parameters whose ``.grad`` is None, as torch.optim does."""
+        del optimizer_step, again
+        hyperparameters = self.snapshot()
+        without = frozenset(f.slot for fragments, params in zip(self._fragments, self._bucket_params, strict=True)
+                            for f, _ in fragments if params[f.position].grad is None)
+        for bucket in self.update_order:
+            self.update(bucket, hyperparameters, without, None)
+        for bucket in self.update_order:
+            self.wait_updated(bucket)
+
+    def before_backward(self, unstepped_backward: bool) -> None:
+        """Two backward passes before one step accumulate, as in single-process training."""
+
+    def check_step(self, gradients_changed: bool, scaled: bool) -> None:
+        """Gradients are averaged on every rank, as with the all-reduce backend: its guards decide."""
+
+    # ------------------------------------------------------------- state
+    def fetch_optimizer_state(self) -> None:
+        """Before ``optimizer.state_dict()``: the whole state, gathered from every rank (collective)."""
+        self._optimizer.state.update(self._gather_state())
+
+    def drop_fetched_state(self) -> None:
+        """After ``state_dict()`` (or a copy): the whole state leaves the optimizer again."""
+        for params in self._bucket_params:
+            for param in params:
+                self._optimizer.state.pop(param, None)
+
+    def push_optimizer_state(self) -> None:
+        """After ``optimizer.load_state_dict()``: keep this rank's fragments of the loaded state
+        (before the first layout, the state waits in the optimizer, where `attach` takes it)."""
+        if not self._shards:
+            return
+        loaded = self._take_optimizer_state()
+        for fragments, params in zip(self._fragments, self._bucket_params, strict=True):
+            for fragment, piece in fragments:
+                self._state.pop(piece, None)
+                full = loaded.get(params[fragment.position])
+                if full:
+                    self._state[piece] = _slice_state(full, params[fragment.position], fragment)
+
+    def push_parameters(self) -> None:
+        """``load_state_dict`` copied the values into the parameters, which every rank holds whole."""
+
+    def close(self) -> None:
+        """``commsched.release``: the optimizer gets its whole state back and steps on its own."""
+        self._optimizer.state.update(self._gather_state())
+        self._state = defaultdict(dict)
+        self._updater = None
+
+    def sharding(self) -> ShardStatus | None:
+        """The shard layout and this rank's state, once the buckets exist."""
+        if not self._shards:
+            return None
+        shard = self._shards[0]
+        state_bytes = sum(value.numel() * value.element_size() for state in self._state.values()
+                          for value in state.values() if isinstance(value, torch.Tensor))
+        return ShardStatus(shard.world_size, shard.rank, tuple(s.chunk for s in self._shards),
+                           sum(s.owned_numel for s in self._shards), sum(s.numel for s in self._shards), state_bytes)
+
+    def _take_optimizer_state(self) -> FullState:
+        """The optimizer's own per-parameter state (loaded, or made before prepare()), moved out of it."""
+        state = self._optimizer.state
+        taken = {param: state.pop(param) for param in list(state) if id(param) in self._group_of and state[param]}
+        return taken
+
+    def _gather_state(self) -> FullState:
+        """Every parameter's whole state, on every rank: per bucket, one all-gather per kind of
+        state tensor, and one all-reduce of which parameters have state and their step."""
+        for bucket in list(self._in_flight):
+            self.wait_updated(bucket)
+        group = self._group()
+        gathered: FullState = {}
+        for shard, flat, params, fragments in zip(self._shards, self._flats, self._bucket_params, self._fragments,
+                                                  strict=True):
+            device = flat.device
+            presence = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
+            for fragment, piece in fragments:
+                state = self._state.get(piece)
+                if state:
+                    presence[fragment.position] = 1
+                    step = state.get("step")
+                    presence[len(params) + fragment.position] = float(step) if step is not None else 0.0
+            if shard.world_size > 1:
+                self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                           "the all-reduce of which parameters have optimizer state")
+            has_state = presence[:len(params)].tolist()
+            steps = presence[len(params):].tolist()
+            keys = self._state_keys(params)
+            offsets = _offsets(params)
+            tensors: dict[str, torch.Tensor] = {}
+            for key in keys:
+                full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=device)
+                for fragment, piece in fragments:
+                    value = self._state.get(piece, {}).get(key)
+                    if value is not None:
+                        full[fragment.bucket_offset:fragment.bucket_offset + fragment.numel].copy_(value)
+                if shard.world_size > 1:
+                    mine = full[shard.start:shard.start + shard.chunk]
+                    self._wait(all_gather_single(full, mine, group=group, async_op=True),
+                               f"the all-gather of optimizer state {key!r}")
+                tensors[key] = full
+            for position, param in enumerate(params):
+                if not has_state[position] or id(param) not in self._group_of:
+                    continue
+                group_keys = self._keys_of_group(self._group_of[id(param)])
+                state = {key: view_like(tensors[key], offsets[position], param).clone() for key in group_keys}
+                if self._kind != "sgd":
+                    state["step"] = torch.tensor(steps[position], dtype=torch.float32)
+                gathered[param] = state
+        return gathered
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        wait_or_raise(work, self._timeout_s, f"{what} (sharded optimizer state; every rank must take part: "
+                                             "optimizer.state_dict() and commsched.release() are collective)")
+
+    def _keys_of_group(self, group: int) -> tuple[str, ...]:
+        options = self._optimizer.param_groups[group]
+        if self._kind == "sgd":
+            return ("momentum_buffer",) if options["momentum"] != 0 else ()
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if options["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _state_keys(self, params: Sequence[torch.nn.Parameter]) -> list[str]:
+        keys: list[str] = []
+        for param in params:
+            group = self._group_of.get(id(param))
+            if group is not None:
+                keys.extend(key for key in self._keys_of_group(group) if key not in keys)
+        return keys
+
+
+def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += param.numel()
+    return offsets
+
+
+def _slice_state(full: dict[str, Any], param: torch.Tensor, fragment: Fragment) -> dict[str, Any]:
+    """A fragment's part of one parameter's whole state (tensors the parameter's size are cut;
+    the rest, such as Adam's step, copied)."""
+    sliced: dict[str, Any] = {}
+    for key, value in full.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == param.numel():
+            sliced[key] = _memory_order(value, param)[fragment.start:fragment.end].to(param.dtype).clone()
+        elif isinstance(value, torch.Tensor):
+            sliced[key] = value.clone()
+        else:
+            sliced[key] = value
+    return sliced
+
+
+def _memory_order(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value``'s elements, flat, in the order ``param``'s elements lie in memory."""
+    if param.is_contiguous():
+        return value.reshape(-1).to(param.device)
+    dense = torch.empty_like(param, memory_format=torch.preserve_format)
+    dense.copy_(value)
+    return dense.as_strided((dense.numel(),), (1,), dense.storage_offset())

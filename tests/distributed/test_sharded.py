@@ -1,0 +1,312 @@
+"""Sharded optimizer state (``AllReduce(shard_optimizer=True)``) trains exactly like one process.
+
+Every case compares with single-process training on the concatenated batch:
+SGD (momentum, Nesterov, weight decay), Adam and AdamW; 2 and 3 ranks, so
+buckets whose size is not a multiple of the world size split parameters
+between ranks; every scheduling path; the loops of test_training_loops,
+``no_sync``, ``GradScaler``, LR schedulers, clipping, the auto-tuner's
+layouts. Checkpoints are torch.optim's, loadable by any world size. Each rank
+holds only its part of the state. ``Join`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.join import Join
+
+import commsched
+from commsched.testing import (
+    OPTIMIZERS,
+    assert_equal_on_all_ranks,
+    assert_same_parameters,
+    reference_copy,
+    run_subtests,
+)
+from commsched.testing.models import ParityNet
+from tests.distributed.test_allreduce_parity import (
+    PARITY_OPTIMIZERS,
+    batches,
+    case_matches_single_process,
+    case_no_sync_accumulation,
+    local_step,
+    rank_slice,
+    reference_backward,
+    reference_step,
+    uses_aux,
+)
+from tests.distributed.test_autotune import TUNE, assert_tuned_the_same_everywhere, train_in_lockstep
+from tests.distributed.test_mixed_precision import case as mixed_precision_case
+from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
+from tests.distributed.test_training_loops import LOOPS
+from tests.distributed.test_training_loops import case as loop_case
+from tests.shared_ranks import in_shared_ranks
+
+pytestmark = pytest.mark.distributed
+
+SHARDED = commsched.AllReduce(shard_optimizer=True)
+
+
+def sharded(**fields) -> commsched.Strategy:
+    return commsched.Strategy(backend=SHARDED, **fields)
+
+
+STRATEGIES = {
+    "default": sharded(),
+    "small_buckets": sharded(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "one_bucket_per_tensor": sharded(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
+    "tiny_partitions_and_credit": sharded(bucket_cap_mb=0.004, first_bucket_mb=0.001, partition_mb=TINY_PARTITION_MB,
+                                          credit_mb=TINY_CREDIT_MB, adaptive=False),
+    "no_priority": sharded(priority=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "no_overlap": sharded(overlap_forward=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "unfused": sharded(fuse_optimizer=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+}
+
+
+def state_tensors_bytes(state) -> int:
+    return sum(v.numel() * v.element_size() for s in state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def trained(rank, world_size, optimizer_name, strategy, iterations):
+    """A sharded model and its single-process reference after ``iterations`` steps of ParityNet."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    for iteration, (x, y) in enumerate(batches(world_size, iterations)):
+        local_step(model, optimizer, x, y, iteration, rank)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    return model, optimizer, reference, reference_optimizer
+
+
+# ------------------------------------------------------------------ state
+def case_each_rank_holds_its_part(rank, world_size, optimizer_name):
+    """The optimizer keeps no state of its own; the ranks' parts add up to the whole, each
+    about 1/N of it (at most one chunk per bucket more); status says so."""
+    model, optimizer, reference, reference_optimizer = trained(
+        rank, world_size, optimizer_name, STRATEGIES["small_buckets"], iterations=6)
+    assert_same_parameters(model, reference)
+    assert len(optimizer.state) == 0, "the optimizer holds state of its own"
+    sharding = commsched.status(model).sharding
+    assert sharding is not None and sharding.world_size == world_size and sharding.rank == rank
+    parts = [None] * world_size
+    dist.all_gather_object(parts, (sharding.state_bytes, sharding.owned_elements))
+    whole = state_tensors_bytes(reference_optimizer.state)
+    assert whole > 0 and sum(owned for _, owned in parts) == sharding.total_elements
+    assert sum(state_bytes for state_bytes, _ in parts) >= whole  # every part is somewhere (and steps besides)
+    at_most_per_element = 2 * 8  # two float64 moments
+    one_chunk_per_bucket = at_most_per_element * sum(sharding.chunk_elements)
+    steps = 4 * len(sharding.chunk_elements) * 8  # a float32 step per fragment, a few fragments per bucket
+    assert sharding.state_bytes <= whole / world_size + one_chunk_per_bucket + steps, (sharding, whole)
+    assert "sharded over" in commsched.status(model).describe()
+    commsched.release(model)
+
+
+def case_checkpoint_in_torch_format(rank, world_size, optimizer_name):
+    """``state_dict()`` gathers torch.optim's format on every rank (equal to the reference's);
+    loaded into plain torch.optim (one process: another world size) and back into a sharded
+    run, both continue exactly as an uninterrupted run (to the last bit with two ranks)."""
+    strategy = dataclasses.replace(STRATEGIES["small_buckets"], adaptive=False)
+    model, optimizer, reference, reference_optimizer = trained(rank, world_size, optimizer_name, strategy, 5)
+    saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    assert len(optimizer.state) == 0 or not strategy.shards_optimizer, "state_dict() left the whole state"
+    want = reference_optimizer.state_dict()
+    assert saved_optimizer["param_groups"] == want["param_groups"]
+    assert saved_optimizer["state"].keys() == want["state"].keys() and want["state"]
+    for index, state in want["state"].items():
+        assert saved_optimizer["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            torch.testing.assert_close(saved_optimizer["state"][index][key], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=index, k=key: f"state {i} {k}: {m}")
+    more = list(batches(world_size, 8))[5:]
+
+    def go_on(net, opt, distributed):
+        for iteration, (x, y) in enumerate(more, start=5):
+            if distributed:
+                local_step(net, opt, x, y, iteration, rank)
+            else:
+                reference_step(net, opt, x, y, iteration, world_size)
+        if distributed:
+            opt.synchronize()
+        return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    uninterrupted = go_on(model, optimizer, distributed=True)
+    torch.manual_seed(1)
+    plain = ParityNet()
+    plain.load_state_dict(saved_model)
+    plain_optimizer = OPTIMIZERS[optimizer_name](plain.parameters())
+    plain_optimizer.load_state_dict(copy.deepcopy(saved_optimizer))
+    resumed_plain = go_on(plain, plain_optimizer, distributed=False)
+    torch.manual_seed(2)
+    again = ParityNet()
+    again.load_state_dict(saved_model)
+    again_optimizer = OPTIMIZERS[optimizer_name](again.parameters())
+    again, again_optimizer = commsched.prepare(again, again_optimizer, strategy)
+    again_optimizer.load_state_dict(copy.deepcopy(saved_optimizer))
+    resumed_sharded = go_on(again, again_optimizer, distributed=True)
+    for name, value in uninterrupted.items():
+        # Bit for bit with two ranks. With three, gloo's ring sums some elements in another
+        # order after a restart, on the unsharded backend too: a unit in the last place.
+        exact = {"rtol": 0, "atol": 0} if world_size == 2 else {"rtol": 1e-6, "atol": 1e-8}
+        torch.testing.assert_close(resumed_sharded[name], value, **exact, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(resumed_plain[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    commsched.release(model)
+    commsched.release(again)
+
+
+def case_state_made_before_prepare(rank, world_size):
+    """An optimizer that already stepped (or loaded a checkpoint) before prepare() keeps its state."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adam"])
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    data = list(batches(world_size, 6))
+    x, y = data[0]
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        reference_step(net, opt, x, y, 0, world_size)
+    model, optimizer = commsched.prepare(model, optimizer, STRATEGIES["small_buckets"])
+    for iteration, (x, y) in enumerate(data[1:], start=1):
+        local_step(model, optimizer, x, y, iteration, rank)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    assert_same_parameters(model, reference)
+    commsched.release(model)
+
+
+def case_release_hands_back_the_state(rank, world_size):
+    """After ``commsched.release`` the optimizer holds its whole state and steps on its own."""
+    model, optimizer, reference, reference_optimizer = trained(rank, world_size, "adamw", STRATEGIES["default"], 5)
+    commsched.release(model)
+    assert state_tensors_bytes(optimizer.state) == state_tensors_bytes(reference_optimizer.state)
+    x, y = list(batches(world_size, 6))[5]
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        reference_step(net, opt, x, y, 5, world_size)  # the same whole batch on every rank
+    assert_same_parameters(model, reference)
+
+
+# ------------------------------------------------------------------ loops
+def case_lr_scheduler_and_clipping(rank, world_size, clip_after_synchronize):
+    """A scheduler stepped after each step, and ``clip_grad_norm_`` between backward and step
+    (it reads the whole averaged gradients, which every rank holds)."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adamw"])
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["adamw"](model.parameters()), STRATEGIES["small_buckets"])
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (optimizer, reference_optimizer)]
+    for iteration, (x, y) in enumerate(batches(world_size, 8)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        if clip_after_synchronize:
+            optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_backward(reference, x, y, iteration, world_size)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    status = commsched.status(model)
+    assert (status.overlap_off_reason is None) == clip_after_synchronize, status.overlap_off_reason
+    commsched.release(model)
+
+
+def case_values_used_by_every_forward(rank, world_size, strategy, optimizer_name, loop="plain"):
+    """The values each module computes with are the single-process ones at every iteration,
+    under forward overlap (the all-gathers end at the gates, whatever order the forward runs)."""
+    model, _ = train_in_lockstep(rank, world_size, loop, optimizer_name=optimizer_name, strategy=strategy,
+                                 iterations=8)
+    commsched.release(model)
+
+
+def case_autotune_switch_points(rank, world_size):
+    """The auto-tuner lays buckets out anew many times: the state is cut anew each time, exactly."""
+    model, seen = train_in_lockstep(rank, world_size, "plain", optimizer_name="adam",
+                                    strategy=dataclasses.replace(TUNE, backend=SHARDED))
+    assert_tuned_the_same_everywhere(model, seen)
+    commsched.release(model)
+
+
+# ------------------------------------------------------------------ refusals
+def case_refusals(rank, world_size):
+    """What cannot be sharded is refused at prepare(), before any collective, with the fix."""
+    model = ParityNet()
+    with pytest.raises(ValueError, match=r"cannot shard this optimizer's state: RMSprop has no per-bucket update.*"
+                                         r"use one of them, or AllReduce\(\) \(unsharded\)"):
+        commsched.prepare(model, torch.optim.RMSprop(model.parameters()), sharded())
+    with pytest.raises(ValueError, match=r"no optimizer was given to prepare\(\); pass it as"):
+        commsched.prepare(model, None, sharded())
+    with pytest.raises(ValueError, match=r"AllReduce.shard_optimizer must be True or False, got 1"):
+        commsched.AllReduce(shard_optimizer=1)
+    assert not isinstance(model, commsched.CommschedModule)
+    model, _ = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), sharded())
+    with pytest.raises(RuntimeError, match=r"Join \(uneven inputs\) is not supported with "
+                                           r"AllReduce\(shard_optimizer=True\).*DistributedSampler\(drop_last=True\)"):
+        with Join([model]):
+            pass
+    commsched.release(model)
+
+
+def sharded_grid(rank: int, world_size: int) -> None:
+    cases = {}
+    for optimizer_name, label in itertools.product(PARITY_OPTIMIZERS, STRATEGIES):
+        cases[f"single_process/{optimizer_name}/{label}"] = functools.partial(
+            case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[label], True)
+    cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
+        case_matches_single_process, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
+    for optimizer_name in ("sgd_momentum", "adamw"):
+        cases[f"each_rank_holds_its_part/{optimizer_name}"] = functools.partial(
+            case_each_rank_holds_its_part, rank, world_size, optimizer_name)
+        cases[f"checkpoint_in_torch_format/{optimizer_name}"] = functools.partial(
+            case_checkpoint_in_torch_format, rank, world_size, optimizer_name)
+    cases["no_sync_accumulation"] = functools.partial(
+        case_no_sync_accumulation, rank, world_size, strategy=STRATEGIES["small_buckets"])
+    cases["state_made_before_prepare"] = functools.partial(case_state_made_before_prepare, rank, world_size)
+    cases["release_hands_back_the_state"] = functools.partial(case_release_hands_back_the_state, rank, world_size)
+    for clip_after_synchronize in (False, True):
+        cases[f"lr_scheduler_and_clipping/synchronize={clip_after_synchronize}"] = functools.partial(
+            case_lr_scheduler_and_clipping, rank, world_size, clip_after_synchronize)
+    for label in ("default", "tiny_partitions_and_credit", "no_priority"):
+        cases[f"values_used_by_every_forward/{label}"] = functools.partial(
+            case_values_used_by_every_forward, rank, world_size, STRATEGIES[label], "adam")
+    cases["refusals"] = functools.partial(case_refusals, rank, world_size)
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(world_size, marks=in_shared_ranks(sharded_grid, world_size, timeout_s=400)) for world_size in (2, 3)])
+def test_sharded_grid(shared_ranks, world_size):
+    shared_ranks.result()
+
+
+def sharded_loops(rank: int, world_size: int) -> None:
+    """The loops of test_training_loops, mixed precision and the auto-tuner, on sharded state."""
+    cases = {}
+    for label in ("default", "no_overlap"):
+        prepare = functools.partial(commsched.prepare, strategy=STRATEGIES[label])
+        for reentrant in (True, False):
+            cases[f"{label} {'reentrant' if reentrant else 'non_reentrant'} checkpoint"] = loop_case(
+                world_size, rank, "plain", "sgd_momentum", reentrant, "last", prepare)
+        for loop in LOOPS[1:]:
+            cases[f"{label} {loop}"] = loop_case(world_size, rank, loop, "adam", prepare=prepare)
+    for label in ("default", "no_overlap"):
+        strategy = STRATEGIES[label]
+        cases[f"{label} GradScaler"] = mixed_precision_case(world_size, rank, strategy, "adam_no_decay", "plain")
+        cases[f"{label} GradScaler, unscale and clip"] = mixed_precision_case(
+            world_size, rank, strategy, "sgd_momentum", "unscale and clip")
+    cases["autotune switch points"] = functools.partial(case_autotune_switch_points, rank, world_size)
+    run_subtests(cases)
+
+
+@in_shared_ranks(sharded_loops, 2, timeout_s=400)
+def test_sharded_training_loops(shared_ranks):
+    shared_ranks.result()
