@@ -88,11 +88,12 @@ def test_every_combination_matches_single_process(shared_ranks, world_size):
     shared_ranks.result()
 
 
-def random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
+def random_delays(rank: int, world_size: int, device: str = "cpu", strategy: commsched.Strategy | None = None,
+                  iterations: int = 120) -> None:
     """4 ranks, each with its own random compute delays in forward and backward:
     issue timing differs everywhere, the agreed order must still hold."""
     rng = random.Random(1000 + rank)
-    strategy = commsched.Strategy(
+    strategy = strategy or commsched.Strategy(
         partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, bucket_cap_mb=0.004, first_bucket_mb=0.001
     )
     holder = {}
@@ -126,7 +127,7 @@ def random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
 
     commsched.prepare = prepare_with_delays
     try:
-        train_and_compare(rank, world_size, "adamw", strategy, iterations=120, delays=delays, device=device)
+        train_and_compare(rank, world_size, "adamw", strategy, iterations=iterations, delays=delays, device=device)
     finally:
         commsched.prepare = original_prepare
 

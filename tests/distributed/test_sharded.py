@@ -44,7 +44,7 @@ from tests.distributed.test_allreduce_parity import (
 )
 from tests.distributed.test_autotune import TUNE, assert_tuned_the_same_everywhere, train_in_lockstep
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
+from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, random_delays, train_and_compare
 from tests.distributed.test_training_loops import LOOPS
 from tests.distributed.test_training_loops import case as loop_case
 from tests.shared_ranks import in_shared_ranks
@@ -304,9 +304,37 @@ def sharded_loops(rank: int, world_size: int) -> None:
         cases[f"{label} GradScaler, unscale and clip"] = mixed_precision_case(
             world_size, rank, strategy, "sgd_momentum", "unscale and clip")
     cases["autotune switch points"] = functools.partial(case_autotune_switch_points, rank, world_size)
+    cases["on the CPU device"] = functools.partial(sharded_on_device, rank, world_size, "cpu")
     run_subtests(cases)
 
 
 @in_shared_ranks(sharded_loops, 2, timeout_s=400)
 def test_sharded_training_loops(shared_ranks):
+    shared_ranks.result()
+
+
+def sharded_on_device(rank: int, world_size: int, device: str) -> None:
+    """The cases that take a device (tests/gpu runs them on CUDA): scheduling variants, mixed precision."""
+    cases = {}
+    for label, optimizer_name in itertools.product(("default", "tiny_partitions_and_credit", "no_overlap"),
+                                                   ("sgd_nesterov", "adamw")):
+        cases[f"{label}/{optimizer_name}"] = functools.partial(
+            train_and_compare, rank, world_size, optimizer_name, STRATEGIES[label], device=device)
+    cases["GradScaler"] = mixed_precision_case(world_size, rank, STRATEGIES["default"], "adam_no_decay", "plain",
+                                               device)
+    cases["bf16 autocast"] = mixed_precision_case(world_size, rank, STRATEGIES["default"], "sgd_momentum",
+                                                  "bf16 autocast", device)
+    run_subtests(cases)
+
+
+def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
+    """Each rank's own random compute delays: reductions complete in another order on every rank,
+    so the updates (and their all-gathers) started ahead of the gates differ too, unless they
+    keep one order; results stay exact and nothing hangs."""
+    random_delays(rank, world_size, device, dataclasses.replace(STRATEGIES["tiny_partitions_and_credit"], timeout_s=60),
+                  iterations=40)
+
+
+@in_shared_ranks(sharded_with_random_delays, 4, timeout_s=300)
+def test_sharded_random_delays_on_four_ranks(shared_ranks):
     shared_ranks.result()

@@ -1,6 +1,7 @@
 """The CPU suite's exactness cases on CUDA: NCCL with one rank per GPU, gloo with CUDA tensors.
 
-Mixed precision, ``Strategy(check_finite=...)`` and ``Strategy(reduce_dtype=...)``.
+Mixed precision, ``Strategy(check_finite=...)``, ``Strategy(reduce_dtype=...)`` and sharded
+optimizer state.
 
 Skipped without a GPU (CI has none). On a GPU machine: ``./scripts/test tests/gpu``.
 NCCL refuses two ranks on one device, so on a single GPU two ranks use gloo with
@@ -20,6 +21,7 @@ from commsched.testing.models import BatchNormNet
 from tests.distributed.test_check_finite import check_finite
 from tests.distributed.test_ddp_idioms import case_drop_in
 from tests.distributed.test_mixed_precision import mixed_precision_cases, reduce_dtype_cases
+from tests.distributed.test_sharded import sharded_on_device, sharded_with_random_delays
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,3 +96,13 @@ def test_ddp_drop_in_gloo_with_cuda_tensors_two_ranks():
     """commsched.DistributedDataParallel(device_ids=[0]) against torch DDP on the same GPU: inputs
     made on the host are moved by the wrapper, the adopted optimizer updates on the GPU."""
     run_ranks(drop_in_on_cuda, 2, timeout_s=240)
+
+
+def test_sharded_state_nccl_one_rank():
+    run_ranks(sharded_on_device, 1, "cuda", backend="nccl", timeout_s=300)
+
+
+def test_sharded_state_gloo_with_cuda_tensors_two_ranks():
+    """The all-gathers of updated parameters and of the state, on CUDA tensors, with skewed ranks."""
+    run_ranks(sharded_on_device, 2, "cuda", timeout_s=300)
+    run_ranks(sharded_with_random_delays, 2, "cuda", timeout_s=300)
