@@ -42,7 +42,6 @@ from tests.distributed.test_allreduce_parity import (
     reference_step,
     uses_aux,
 )
-from tests.distributed.test_autotune import TUNE, assert_tuned_the_same_everywhere, train_in_lockstep
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, random_delays, train_and_compare
 from tests.distributed.test_training_loops import LOOPS
@@ -223,6 +222,8 @@ def case_lr_scheduler_and_clipping(rank, world_size, clip_after_synchronize):
 def case_values_used_by_every_forward(rank, world_size, strategy, optimizer_name, loop="plain"):
     """The values each module computes with are the single-process ones at every iteration,
     under forward overlap (the all-gathers end at the gates, whatever order the forward runs)."""
+    from tests.distributed.test_autotune import train_in_lockstep  # which needs optuna (tests/gpu runs without)
+
     model, _ = train_in_lockstep(rank, world_size, loop, optimizer_name=optimizer_name, strategy=strategy,
                                  iterations=8)
     commsched.release(model)
@@ -230,6 +231,8 @@ def case_values_used_by_every_forward(rank, world_size, strategy, optimizer_name
 
 def case_autotune_switch_points(rank, world_size):
     """The auto-tuner lays buckets out anew many times: the state is cut anew each time, exactly."""
+    from tests.distributed.test_autotune import TUNE, assert_tuned_the_same_everywhere, train_in_lockstep
+
     model, seen = train_in_lockstep(rank, world_size, "plain", optimizer_name="adam",
                                     strategy=dataclasses.replace(TUNE, backend=SHARDED))
     assert_tuned_the_same_everywhere(model, seen)
