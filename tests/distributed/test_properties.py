@@ -3,7 +3,7 @@
 Hypothesis draws a small model (Linear, Conv1d, Embedding and LayerNorm layers
 of random sizes; float32 and float64 parameters; frozen parameters; weights tied
 between two modules; a branch used only on some ranks and iterations, and a
-module never called), a `Strategy` and an optimizer (a tensor learning rate, an
+module never called), a `Strategy` (sharded optimizer state or not) and an optimizer (a tensor learning rate, an
 LR scheduler), and trains a few iterations. Every rank must end with the
 parameters of single-process training on the concatenated batch (also as read
 right after the last ``step()`` through one submodule's ``state_dict()``), or
@@ -180,6 +180,7 @@ def valid_strategies(draw):
         "fuse_optimizer": draw(st.booleans()),
         "broadcast_buffers": draw(st.booleans()),
         "check_finite": draw(st.sampled_from([None, "skip", "raise"])),
+        "backend": draw(st.sampled_from([commsched.AllReduce(), commsched.AllReduce(shard_optimizer=True)])),
     }
 
 
@@ -375,7 +376,7 @@ def check_case(rank: int, world_size: int, case: Case) -> str:
             torch.testing.assert_close(read[key], value, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{name}.{k}: {m}")
     lifecycle = commsched.status(model).lifecycle
     commsched.release(model)
-    return f"trained, {lifecycle.name.lower()}"
+    return f"trained, {lifecycle.name.lower()}" + (", sharded" if strategy.shards_optimizer else "")
 
 
 def clip(model: nn.Module, loop: LoopSpec) -> None:
@@ -435,3 +436,4 @@ def test_random_models_and_strategies(shared_ranks, world_size, max_examples):
     assert all(p == paths[0] for p in paths), f"the ranks took different paths: {paths}"
     taken = collections.Counter(paths[0])
     assert taken["trained, overlapping"] and taken["trained, synchronous"], f"paths taken: {taken}"
+    assert taken["trained, overlapping, sharded"] or taken["trained, synchronous, sharded"], f"paths taken: {taken}"
