@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import weakref
 from typing import Any, SupportsIndex
 
@@ -34,6 +35,22 @@ class CommschedOptimizer:
     def synchronize(self) -> None:
         """Block until every pending gradient reduction (and update) is done."""
         self._commsched_reducer.synchronize_for_user()
+
+    def save_sharded_state(self, checkpoint_id: str | os.PathLike) -> None:
+        """With ``AllReduce(shard_optimizer=True)``: every rank writes its own part of the state
+        with ``torch.distributed.checkpoint`` into ``checkpoint_id`` (a directory), nothing
+        gathered. Collective: call it on every rank. ``state_dict()`` is the portable format."""
+        reducer = self._commsched_reducer
+        reducer.synchronize()
+        reducer.policy.save_sharded(checkpoint_id)
+
+    def load_sharded_state(self, checkpoint_id: str | os.PathLike) -> None:
+        """Read what `save_sharded_state` wrote, each rank its own part, where the world size and
+        the buckets are the same (else refused with the fix). Collective; before the first forward
+        pass it happens when the buckets are laid out."""
+        reducer = self._commsched_reducer
+        reducer.synchronize()
+        reducer.policy.load_sharded(checkpoint_id)
 
     def step(self, closure: Any = None) -> Any:
         """Release this iteration's update.

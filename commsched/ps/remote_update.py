@@ -6,6 +6,7 @@ The optimizer's state lives on the servers too, so checkpoints fetch it into
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from commsched.ps.protocol import ACK_TAG, PARAMS_TAG, STATE_TAG, Command, state
 from commsched.ps.push_pull import ParameterServerTransport
 from commsched.ps.sharding import Segment
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
-from commsched.update.base import Hyperparameters
+from commsched.update.base import NOT_SHARDED, Hyperparameters
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
@@ -191,3 +192,9 @@ class ServerSideUpdate:
     def sharding(self) -> None:
         """The servers hold the state, by block (see `commsched.status`'s server bytes)."""
         return None
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)

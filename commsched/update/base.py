@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -11,6 +12,11 @@ if TYPE_CHECKING:
     from commsched.layout.grad_layout import GradLayout
     from commsched.layout.shards import ShardStatus
     from commsched.update.grad_scaling import GradScaling
+
+NOT_SHARDED = (
+    "sharded checkpoints need Strategy(backend=AllReduce(shard_optimizer=True)); without it every rank holds "
+    "the whole optimizer state: save optimizer.state_dict() and load it with optimizer.load_state_dict()"
+)
 
 Hyperparameters = list[dict[str, object]]
 """Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
@@ -92,3 +98,9 @@ class UpdatePolicy(Protocol):
 
     def sharding(self) -> ShardStatus | None:
         """With sharded optimizer state, its layout and this rank's bytes; else None."""
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank writes its own part of the optimizer state (``torch.distributed.checkpoint``)."""
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank reads its own part of the optimizer state, written by `save_sharded`."""

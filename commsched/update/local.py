@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from commsched.update.base import Hyperparameters
+from commsched.update.base import NOT_SHARDED, Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import unsupported_reason
@@ -100,3 +101,9 @@ class LocalUpdate:
     def sharding(self) -> None:
         """No state is sharded."""
         return None
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)

@@ -30,6 +30,7 @@ keep every loop exact.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import view_like
 from commsched.layout.shards import BucketShard, Fragment, ShardStatus, shard_bucket
+from commsched.update import sharded_checkpoint
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.grad_scaling import GradScaling
@@ -101,6 +103,8 @@ class ShardedUpdate:
         self._in_flight: dict[int, dist.Work] = {}
         self._held: FullState | None = None
         """Whole state between `detach` and `attach` (a new layout), or given before the first."""
+        self._pending_load: str | os.PathLike | None = None
+        """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
         """Buckets in the order their updates run on every rank (forward order)."""
 
@@ -143,6 +147,9 @@ class ShardedUpdate:
                            for fragments in self._fragments],
         )
         self.update_order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
+        if self._pending_load is not None:
+            checkpoint_id, self._pending_load = self._pending_load, None
+            self.load_sharded(checkpoint_id)
 
     def detach(self) -> None:
         """The buckets are laid out anew: the whole state is gathered, to be cut anew at `attach`."""
@@ -223,6 +230,89 @@ class ShardedUpdate:
 
     def push_parameters(self) -> None:
         """``load_state_dict`` copied the values into the parameters, which every rank holds whole."""
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank writes its own fragments with ``torch.distributed.checkpoint`` (collective);
+        see `commsched.update.sharded_checkpoint`."""
+        pieces, scalars = self._pieces(template=False)
+        sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group())
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank reads its own fragments of what `save_sharded` wrote, in any world size and
+        layout (collective). Before the first forward pass there are no buckets yet: it happens
+        once they exist."""
+        if not self._shards:
+            self._pending_load = checkpoint_id
+            return
+        pieces, scalars = self._pieces(template=True)
+        loaded, param_groups = sharded_checkpoint.load(pieces, scalars, self._param_groups(), checkpoint_id,
+                                                       self._group())
+        torch.optim.Optimizer.load_state_dict(self._optimizer, {"state": {}, "param_groups": param_groups})
+        where = self._fragment_names()
+        self._state = defaultdict(dict)
+        for name, value in loaded.items():
+            for piece, key in where.get(name, ()):
+                self._state[piece][key] = value.clone()
+        self._updater.state = self._state
+
+    def _pieces(self, template: bool) -> tuple[list[sharded_checkpoint.Piece], dict[str, torch.Tensor]]:
+        """Per parameter and state tensor, this rank's fragment and every rank's; the scalars.
+        ``template``: zeros for every state the optimizer may hold (to load into), else what it holds."""
+        index_of = self._param_indices()
+        pieces, scalars = [], {}
+        for shard, params, fragments in zip(self._shards, self._bucket_params, self._fragments, strict=True):
+            everyone = [shard_bucket(shard.bucket, range(len(params)), [p.numel() for p in params], rank,
+                                     shard.world_size).fragments for rank in range(shard.world_size)]
+            mine = {fragment.position: (fragment, piece) for fragment, piece in fragments}
+            for position, param in enumerate(params):
+                group = self._group_of.get(id(param))
+                if group is None:
+                    continue
+                index = index_of[id(param)]
+                chunks = tuple((rank, f.start, f.numel) for rank, owned in enumerate(everyone)
+                               for f in owned if f.position == position)
+                fragment, piece = mine.get(position, (None, None))
+                state = {} if piece is None else self._state.get(piece, {})
+                keys = self._keys_of_group(group) if template else [k for k, v in state.items() if v.dim() > 0]
+                for key in keys:
+                    local = None
+                    if piece is not None:
+                        local = (fragment.start, torch.zeros_like(piece) if template else state[key])
+                    pieces.append(sharded_checkpoint.Piece(f"state.{index}.{key}", param.numel(), local, chunks))
+                if piece is not None and self._kind != "sgd":
+                    if template:
+                        scalars[f"state.{index}.step"] = torch.zeros((), dtype=torch.float32)
+                    elif "step" in state:
+                        scalars[f"state.{index}.step"] = state["step"].detach().cpu()
+        return pieces, scalars
+
+    def _fragment_names(self) -> dict[str, list[tuple[torch.Tensor, str]]]:
+        """Where each name of `_pieces` goes: this rank's fragments and the state key."""
+        index_of = self._param_indices()
+        where: dict[str, list[tuple[torch.Tensor, str]]] = defaultdict(list)
+        for params, fragments in zip(self._bucket_params, self._fragments, strict=True):
+            for fragment, piece in fragments:
+                param = params[fragment.position]
+                group = self._group_of.get(id(param))
+                if group is None:
+                    continue
+                for key in (*self._keys_of_group(group), *(("step",) if self._kind != "sgd" else ())):
+                    where[f"state.{index_of[id(param)]}.{key}"].append((piece, key))
+        return where
+
+    def _param_indices(self) -> dict[int, int]:
+        """Each parameter's index in torch.optim's state dict (param groups in order)."""
+        return {id(p): i for i, p in enumerate(p for group in self._optimizer.param_groups for p in group["params"])}
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """torch.optim's param groups, as its state dict holds them (no state: nothing is gathered)."""
+        groups, start = [], 0
+        for group in self._optimizer.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return groups
 
     def close(self) -> None:
         """``commsched.release``: the optimizer gets its whole state back and steps on its own."""
@@ -340,3 +430,4 @@ def _memory_order(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     dense = torch.empty_like(param, memory_format=torch.preserve_format)
     dense.copy_(value)
     return dense.as_strided((dense.numel(),), (1,), dense.storage_offset())
+
