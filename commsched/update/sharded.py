@@ -101,8 +101,6 @@ class ShardedUpdate:
         """Per fragment of a parameter (its view into the flat buffer), the optimizer's state."""
         self._updater: BucketUpdater | None = None
         self._in_flight: dict[int, dist.Work] = {}
-        self._held: FullState | None = None
-        """Whole state between `detach` and `attach` (a new layout), or given before the first."""
         self._pending_load: str | os.PathLike | None = None
         """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
@@ -110,10 +108,32 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------- layout
     def attach(self, layout: GradLayout) -> None:
+        """Cut the buckets into chunks and keep this rank's state; where the buckets hold the same
+        parameters as before (a new partitioning, credit or order), chunks and state stay as they are."""
+        unchanged = bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
+        if not unchanged:
+            held = self._gather_state() if self._shards else self._take_optimizer_state()
+            self._cut(layout, held)
+        self._updater = BucketUpdater(
+            self._optimizer,
+            [[piece for _, piece in fragments] for fragments in self._fragments],
+            [[layout.buckets[b].flat[f.bucket_offset:f.bucket_offset + f.numel] for f, _ in fragments]
+             for b, fragments in enumerate(self._fragments)],
+            [[f.slot for f, _ in fragments] for fragments in self._fragments],
+            fused=self._fused, state=self._state,
+            bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
+                           for fragments in self._fragments],
+        )
+        self.update_order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
+        if self._pending_load is not None:
+            checkpoint_id, self._pending_load = self._pending_load, None
+            self.load_sharded(checkpoint_id)
+
+    def _cut(self, layout: GradLayout, held: FullState) -> None:
+        """New chunks: the parameters move into one flat buffer per bucket, and this rank keeps
+        its fragments of ``held`` (the whole state)."""
         group = self._group()
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        held = self._held if self._held is not None else self._take_optimizer_state()
-        self._held = None
         self._shards, self._flats, self._bucket_params, self._fragments = [], [], [], []
         self._state = defaultdict(dict)
         for index, bucket in enumerate(layout.buckets):
@@ -136,24 +156,10 @@ class ShardedUpdate:
             self._flats.append(flat)
             self._bucket_params.append(tuple(bucket.params))
             self._fragments.append(fragments)
-        self._updater = BucketUpdater(
-            self._optimizer,
-            [[piece for _, piece in fragments] for fragments in self._fragments],
-            [[layout.buckets[b].flat[f.bucket_offset:f.bucket_offset + f.numel] for f, _ in fragments]
-             for b, fragments in enumerate(self._fragments)],
-            [[f.slot for f, _ in fragments] for fragments in self._fragments],
-            fused=self._fused, state=self._state,
-            bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
-                           for fragments in self._fragments],
-        )
-        self.update_order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
-        if self._pending_load is not None:
-            checkpoint_id, self._pending_load = self._pending_load, None
-            self.load_sharded(checkpoint_id)
 
     def detach(self) -> None:
-        """The buckets are laid out anew: the whole state is gathered, to be cut anew at `attach`."""
-        self._held = self._gather_state()
+        """The buckets are about to be laid out anew: let go of their gradients. The chunks stay
+        until `attach` knows whether they change (only then is the whole state gathered)."""
         self._updater = None
 
     def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
