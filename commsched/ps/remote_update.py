@@ -6,7 +6,6 @@ The optimizer's state lives on the servers too, so checkpoints fetch it into
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ from commsched.ps.protocol import ACK_TAG, PARAMS_TAG, STATE_TAG, Command, state
 from commsched.ps.push_pull import ParameterServerTransport
 from commsched.ps.sharding import Segment
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
-from commsched.update.base import NOT_SHARDED, Hyperparameters
+from commsched.update.base import Hyperparameters, UnshardedState
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from commsched.update.grad_scaling import GradScaling
 
 
-class ServerSideUpdate:
+class ServerSideUpdate(UnshardedState):
     """The parameter-server backend's update: copy the pulled values into the parameters."""
 
     overlap_blocker = None
@@ -188,13 +187,3 @@ class ServerSideUpdate:
 
     def close(self) -> None:
         """The servers are let go of by the transport; the optimizer keeps whatever it holds."""
-
-    def sharding(self) -> None:
-        """The servers hold the state, by block (see `commsched.status`'s server bytes)."""
-        return None
-
-    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)
-
-    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)

@@ -19,6 +19,19 @@ NOT_SHARDED = (
 )
 
 Hyperparameters = list[dict[str, object]]
+
+
+class UnshardedState:
+    """What an update policy whose optimizer state is not sharded answers about sharding."""
+
+    def sharding(self) -> None:
+        return None
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+        raise ValueError(NOT_SHARDED)
 """Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
 
 

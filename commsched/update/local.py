@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from commsched.update.base import NOT_SHARDED, Hyperparameters
+from commsched.update.base import Hyperparameters, UnshardedState
 from commsched.update.fused import BucketUpdater
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import unsupported_reason
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
     from commsched.layout.grad_layout import GradLayout
 
 
-class LocalUpdate:
+class LocalUpdate(UnshardedState):
     """The all-reduce backend's update: torch's SGD/Adam/AdamW kernels per bucket, as each
     bucket's reduction completes; any other optimizer steps as usual once every
     reduction is done (and forward overlap is off)."""
@@ -97,13 +96,3 @@ class LocalUpdate:
 
     def close(self) -> None:
         """The state is the user's optimizer's own."""
-
-    def sharding(self) -> None:
-        """No state is sharded."""
-        return None
-
-    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)
-
-    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)
