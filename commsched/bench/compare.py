@@ -24,7 +24,7 @@ import copy
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import commsched
 from commsched.api import prepare_server
 from commsched.bench.models import WORKLOADS, Workload
-from commsched.bench.peers import PeerUnavailable, build, sgd
+from commsched.bench.peers import OPTIMIZERS, OptimizerFactory, PeerUnavailable, build, optimizer_state_bytes
 from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2
 from commsched.engine.backward_pass import IterationFigures
 from commsched.strategy import Strategy
@@ -52,6 +52,9 @@ class ComparisonConfig:
     warmup: int = 3
     """Iterations per system before the first round, not measured."""
     learning_rate: float = 0.05
+    optimizer: str = "sgd"
+    """Every system's optimizer, a key of `commsched.bench.peers.OPTIMIZERS`: SGD with momentum 0.9,
+    or Adam."""
     systems: tuple[System, ...] = (TorchDDP(), Commsched(Strategy()))
     """Trained side by side; their names must differ (results are keyed by name)."""
     num_servers: int = 0
@@ -61,6 +64,8 @@ class ComparisonConfig:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"ComparisonConfig.optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
         names = [system.name for system in self.systems]
         if len(set(names)) != len(names):
             raise ValueError(f"ComparisonConfig.systems must have distinct names, got {names}")
@@ -68,6 +73,11 @@ class ComparisonConfig:
             if isinstance(system, Commsched) and system.num_servers not in (0, self.num_servers):
                 raise ValueError(f"system {system.name!r} uses {system.num_servers} servers, the comparison "
                                  f"{self.num_servers}")
+
+    @property
+    def make_optimizer(self) -> OptimizerFactory:
+        """Builds this comparison's optimizer for a model."""
+        return OPTIMIZERS[self.optimizer](self.learning_rate)
 
 
 @dataclass
@@ -97,6 +107,11 @@ class SystemResult:
     (`commsched.bench.memory`); NaN where not measured."""
     unavailable: str | None = None
     """Why this system could not train the model (then nothing else is filled)."""
+    optimizer_state_bytes: int | None = None
+    """Bytes of optimizer state rank 0 holds after the last round: with sharded state,
+    `commsched.status`'s; else the tensors in ``optimizer.state`` (its local shards with FSDP2)."""
+    sharding: dict | None = None
+    """commsched with sharded optimizer state: `commsched.status(model).sharding`, as data."""
 
     @property
     def median_s(self) -> float:
@@ -178,9 +193,14 @@ class Run:
 
     def finish(self) -> None:
         """Fill in what the result keeps besides times (figures, the cost model's choice)."""
+        sharding = None
         if self._figures is not None:
             self._figures.write_into(self.result)
             self.result.partitioning = _partitioning(self.model)
+            sharding = getattr(commsched.status(self.model), "sharding", None)
+        self.result.sharding = None if sharding is None else asdict(sharding)
+        self.result.optimizer_state_bytes = (optimizer_state_bytes(self.optimizer) if sharding is None
+                                             else sharding.state_bytes)
 
 
 def served(system: System) -> bool:
@@ -198,7 +218,7 @@ def worker_group(world_size: int, num_servers: int) -> dist.ProcessGroup:
 def start_run(system: System, base: torch.nn.Module, workers: dist.ProcessGroup, config: ComparisonConfig,
               rank: int, num_workers: int) -> Run:
     """Build ``system`` on a copy of ``base`` and train its unmeasured warm-up iterations."""
-    model, optimizer = build(system, copy.deepcopy(base), workers, sgd(config.learning_rate))
+    model, optimizer = build(system, copy.deepcopy(base), workers, config.make_optimizer)
     run = Run(system, model, optimizer, config, rank, num_workers)
     for _ in range(config.warmup):
         run.step()
@@ -300,7 +320,7 @@ def serve(base: torch.nn.Module, config: ComparisonConfig) -> None:
         if not served(system):
             continue
         model = copy.deepcopy(base)
-        server = prepare_server(model, sgd(config.learning_rate)(model), system.strategy)
+        server = prepare_server(model, config.make_optimizer(model), system.strategy)
 
         def serve_one(server=server, name=system.name) -> None:
             try:

@@ -12,7 +12,8 @@ so that process's peak cannot be split by system. The method here:
   prefix of its own), builds only that system as the comparison does
   (`commsched.bench.peers`), trains `RSS_ITERATIONS` iterations (commsched's
   warm-up, the iteration that plans, and one with forward overlap), finishes
-  what is in flight, and reads ``getrusage(RUSAGE_SELF).ru_maxrss``: its own
+  what is in flight, and reads ``getrusage(RUSAGE_SELF).ru_maxrss`` (before
+  ``commsched.release``, see `peak_rss_on_rank`): its own
   peak, which counts the pages it shares with its parent (torch, about the
   same for every system) and everything the system allocated.
 - Reported: the max over the system's ranks (a parameter-server system's
@@ -92,17 +93,21 @@ def peak_rss_on_rank(rank: int, world_size: int, config: ComparisonConfig, syste
     base = WORKLOADS[config.workload].build()
     num_workers = world_size - config.num_servers
     workers = worker_group(world_size, config.num_servers)
-    available = True
+    available, own_peak = True, float("nan")
     if rank >= num_workers:
         serve(base, config)
+        own_peak = own_peak_rss_mib()
     else:
         outcome = start_or_explain(system, base, workers, config, rank, num_workers)
         available = not isinstance(outcome, str)
         if available:
             outcome.settle()
+            # Read before the release: with sharded optimizer state it gathers the whole
+            # state back into the optimizer, which training never holds.
+            own_peak = own_peak_rss_mib()
             if isinstance(system, Commsched):
                 commsched.release(outcome.model)  # lets servers finish
-    peak = torch.tensor([own_peak_rss_mib() if available else float("nan")])
+    peak = torch.tensor([own_peak])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak)
 

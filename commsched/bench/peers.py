@@ -2,7 +2,8 @@
 
 The timed comparison (`commsched.bench.compare`) and the memory measurement
 (`commsched.bench.memory`) build systems alike, so what one measures is what
-the other ran. Every system gets plain SGD with momentum.
+the other ran. Every system gets plain SGD with momentum, unless the comparison
+asks for Adam (`OPTIMIZERS`).
 
 torch FSDP2 is applied per block, then on the root (`fsdp2_units`); a model it
 cannot shard raises `PeerUnavailable`, which the comparison reports instead of
@@ -31,6 +32,27 @@ class PeerUnavailable(RuntimeError):
 def sgd(learning_rate: float) -> OptimizerFactory:
     """The optimizer every system trains with: SGD, momentum 0.9."""
     return lambda model: torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=0.9)
+
+
+def adam(learning_rate: float) -> OptimizerFactory:
+    """Adam with torch's defaults but the learning rate: twice the parameters in state, a longer step."""
+    return lambda model: torch.optim.Adam(model.parameters(), lr=learning_rate)
+
+
+OPTIMIZERS: dict[str, Callable[[float], OptimizerFactory]] = {"sgd": sgd, "adam": adam}
+"""`ComparisonConfig.optimizer`'s choices, by name."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` that this rank holds (of an FSDP2 DTensor, its
+    local shard only)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def build(system: System, model: nn.Module, workers: dist.ProcessGroup,

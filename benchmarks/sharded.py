@@ -1,0 +1,251 @@
+"""What does sharding the optimizer state (ZeRO-1) save in memory, and cost in time? On emulated hosts (root).
+
+    sudo .venv/bin/python benchmarks/sharded.py --json results/sharded.json    # about 10 minutes on 2 cores
+
+``AllReduce(shard_optimizer=True)`` keeps 1/N of the optimizer state per rank
+and all-gathers the updated parameters besides the all-reduce of gradients
+(`commsched.update.sharded`). Per optimizer (SGD with momentum 0.9, lr 0.005;
+Adam, lr 1e-3) and number of hosts, a fresh `EmulatedCluster` (the one
+``commsched bench`` uses, one torchrun process per host, gloo on the host's
+``eth0``) trains the 22M-parameter MLP (``mlp-22m``: at a small batch its
+optimizer step is as long as its forward and backward passes) with: torch DDP
+at ``bucket_cap_mb`` 5 and 25 (its default; ``--ddp-bucket-mb`` sets the sweep),
+commsched's default ``AllReduce()``, commsched with sharded optimizer state, and
+torch FSDP2 (``fully_shard`` per layer, ``reshard_after_forward=False``).
+``--fixed-layout`` adds the sharded system with ``Strategy(adaptive=False)``,
+whose buckets are never laid out anew.
+
+As ``commsched bench`` does (`commsched.bench.grid`): first each system's peak
+RSS, in a child forked per system that trains it alone for a few iterations
+(`commsched.bench.memory`; the max over ranks), then every system side by side
+in interleaved rounds (`commsched.bench.compare`: the order alternates each
+round). Reported per cell: the median iteration time (rank 0, over every
+measured iteration of every round; with ``--repeats``, the median over fresh
+clusters of those), its ratio to commsched's ``AllReduce()``, the peak RSS, the
+optimizer state rank 0 holds (``commsched.status(model).sharding.state_bytes``
+when sharded, else the tensors in ``optimizer.state``, FSDP2's local shards),
+commsched's time in updates per iteration, and the final training loss. *best
+DDP* is the fastest of the DDP bucket sizes. Then the targets:
+
+- state: sharded state per rank <= the unsharded (``AllReduce()``'s) / N plus
+  one bucket's worth (the largest bucket: chunks are rounded up);
+- memory: best DDP's peak RSS minus the sharded one's >= 60% of the state saved
+  (best DDP's state minus the sharded one's); the same against ``AllReduce()``;
+- time: sharded / ``AllReduce()`` <= 1.03, and sharded / FSDP2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2, decode, encode
+from commsched.strategy import AllReduce, Strategy
+
+DDP_DEFAULT_BUCKET_MB = 25.0
+"""torch DDP's own ``bucket_cap_mb`` default."""
+ALLREDUCE = Commsched(Strategy())
+SHARDED = Commsched(Strategy(backend=AllReduce(shard_optimizer=True)), "sharded optimizer")
+FIXED = Commsched(Strategy(backend=AllReduce(shard_optimizer=True), adaptive=False), "sharded, fixed layout")
+"""Sharded, without the cost model's choice of partitions at the end of warm-up: its buckets keep
+their first layout, which tells what a new layout costs in memory (where the buckets change, the
+whole state is gathered on every rank for a moment and cut anew)."""
+FSDP2 = TorchFSDP2()
+LEARNING_RATE = {"sgd": 0.005, "adam": 1e-3}
+"""The bench's SGD learning rate, 0.05, diverges on this model."""
+WORKLOAD = "mlp-22m"
+MIB = 2**20
+
+
+# ------------------------------------------------------------------ one cell
+def worker(config_path: Path, out_path: Path) -> None:
+    """One host under torchrun: every system's peak RSS, then the comparison; rank 0 writes the results."""
+    import torch
+    import torch.distributed as dist
+
+    from commsched.bench.compare import ComparisonConfig, compare_on_rank
+    from commsched.bench.memory import peak_rss_in_children
+
+    torch.set_num_threads(1)
+    spec = json.loads(config_path.read_text())
+    config = ComparisonConfig(**{**spec, "systems": tuple(decode(s) for s in spec["systems"])}, show_progress=False)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    started = time.monotonic()
+    # First: the children are forked from a process that holds nothing yet.
+    peaks = peak_rss_in_children(config, rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    measured_memory = time.monotonic()
+    import torch._dynamo  # noqa: F401 - before the group, as commsched.bench.grid's worker
+    dist.init_process_group("gloo")
+    results = compare_on_rank(rank, world_size, config)
+    if rank == 0:
+        phases_s = {"peak_rss": measured_memory - started, "comparison": time.monotonic() - measured_memory}
+        out_path.write_text(json.dumps({"phases_s": phases_s, "systems": {
+            name: {**asdict(result), "peak_rss_mib": peaks[name]} for name, result in results.items()}}))
+    dist.destroy_process_group()
+
+
+def ddp_sweep(bucket_mb: list[float]) -> tuple[TorchDDP, ...]:
+    """torch DDP at each bucket size (its default spelled as itself): best DDP is the fastest of them."""
+    return tuple(TorchDDP() if mb == DDP_DEFAULT_BUCKET_MB else TorchDDP(mb) for mb in bucket_mb)
+
+
+def lineup(bucket_mb: list[float], fixed_layout: bool) -> tuple[System, ...]:
+    """The systems of every cell; ``fixed_layout`` adds `FIXED`."""
+    return (*ddp_sweep(bucket_mb), ALLREDUCE, SHARDED, *((FIXED,) if fixed_layout else ()), FSDP2)
+
+
+def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namespace, port: int = 29541) -> dict:
+    """One fresh cluster: ``{"systems": {name: result as data}, "phases_s": seconds of the peak RSS phase
+    and of the comparison}``."""
+    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
+
+    systems = lineup(args.ddp_bucket_mb, args.fixed_layout)
+    spec = {"workload": WORKLOAD, "batch_size": args.batch_size, "iterations": args.iterations,
+            "rounds": args.rounds, "warmup": args.warmup, "learning_rate": LEARNING_RATE[optimizer],
+            "optimizer": optimizer, "systems": [encode(system) for system in systems]}
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
+        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
+        config_path.write_text(json.dumps(spec))
+        procs = []
+        for host in range(hosts):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", "--nproc-per-node=1",
+                    f"--node-rank={host}", f"--master-addr={cluster.address(0)}", f"--master-port={port}",
+                    __file__, "--worker", str(config_path), str(out_path)]
+            procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        wait_for_hosts(procs, args.timeout_s, f"{optimizer} on {hosts} hosts")
+        return json.loads(out_path.read_text())
+
+
+# ------------------------------------------------------------------ report
+def _median(runs: list[dict], name: str, value) -> float:
+    return statistics.median(value(run[name]) for run in runs)
+
+
+def summarize(hosts: int, optimizer: str, runs: list[dict], ddp_names: list[str]) -> dict:
+    """Medians over repeats by system, and the targets' figures (best DDP: the fastest of ``ddp_names``)."""
+    systems = {}
+    for name in runs[0]:
+        update_s = [r[name]["update_s"] for r in runs if r[name]["update_s"]]
+        systems[name] = {
+            "ms": _median(runs, name, lambda r: statistics.median(r["iteration_times_s"])) * 1e3,
+            "peak_rss_mib": _median(runs, name, lambda r: r["peak_rss_mib"]),
+            "state_mib": _median(runs, name, lambda r: r["optimizer_state_bytes"]) / MIB,
+            "update_ms": statistics.median(statistics.median(u) for u in update_s) * 1e3 if update_s else None,
+            "final_loss": _median(runs, name, lambda r: r["final_loss"]),
+        }
+    best_ddp = min(ddp_names, key=lambda name: systems[name]["ms"])
+    full, fsdp2, ddp = (systems[s] for s in (ALLREDUCE.name, FSDP2.name, best_ddp))
+    targets = {}
+    for name in (SHARDED.name, FIXED.name):
+        if name not in systems:
+            continue
+        ours, sharding = systems[name], runs[0][name]["sharding"]
+        state_per_element = full["state_mib"] / sharding["total_elements"]
+        targets[name] = {
+            "state_bound_mib": full["state_mib"] / hosts + max(sharding["chunk_elements"]) * hosts * state_per_element,
+            "rss_saved_over_state_saved_vs_best_ddp": _share(ddp, ours),
+            "rss_saved_over_state_saved_vs_allreduce": _share(full, ours),
+            "time_vs_allreduce": ours["ms"] / full["ms"],
+            "time_vs_fsdp2": ours["ms"] / fsdp2["ms"],
+            "time_vs_best_ddp": ours["ms"] / ddp["ms"],
+        }
+    return {"hosts": hosts, "optimizer": optimizer, "best_ddp": best_ddp, "systems": systems, "targets": targets}
+
+
+def _share(other: dict, sharded: dict) -> float:
+    """How much of the optimizer state sharding saves against ``other`` comes off the peak RSS."""
+    saved = other["state_mib"] - sharded["state_mib"]
+    return (other["peak_rss_mib"] - sharded["peak_rss_mib"]) / saved if saved > 0 else float("nan")
+
+
+def markdown(cell: dict, rate_gbit: float) -> str:
+    lines = [f"{cell['optimizer']}, {cell['hosts']} hosts, {rate_gbit:g} Gbit/s (best DDP: {cell['best_ddp']})",
+             "", "| system | ms | / AllReduce() | peak RSS MiB | state MiB per rank | update ms | final loss |",
+             "|---|---|---|---|---|---|---|"]
+    full = cell["systems"][ALLREDUCE.name]["ms"]
+    for name, s in cell["systems"].items():
+        update = "-" if s["update_ms"] is None else f"{s['update_ms']:.1f}"
+        lines.append(f"| {name} | {s['ms']:.1f} | {s['ms'] / full:.3f} | {s['peak_rss_mib']:.0f} "
+                     f"| {s['state_mib']:.1f} | {update} | {s['final_loss']:.4f} |")
+    for name, t in cell["targets"].items():
+        ours = cell["systems"][name]
+        lines += ["", f"{name}:",
+                  f"- state per rank {ours['state_mib']:.1f} MiB, bound (unsharded / N + one bucket) "
+                  f"{t['state_bound_mib']:.1f}: {_verdict(ours['state_mib'] <= t['state_bound_mib'])}",
+                  f"- peak RSS saved / state saved: {t['rss_saved_over_state_saved_vs_best_ddp']:.2f} against best DDP "
+                  f"(target >= 0.60: {_verdict(t['rss_saved_over_state_saved_vs_best_ddp'] >= 0.6)}), "
+                  f"{t['rss_saved_over_state_saved_vs_allreduce']:.2f} against AllReduce()",
+                  f"- time / AllReduce() {t['time_vs_allreduce']:.3f} (target <= 1.03: "
+                  f"{_verdict(t['time_vs_allreduce'] <= 1.03)}), / FSDP2 {t['time_vs_fsdp2']:.3f}, "
+                  f"/ best DDP {t['time_vs_best_ddp']:.3f}"]
+    return "\n".join(lines) + "\n"
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, type=Path, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=sorted(LEARNING_RATE))
+    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--rate-gbit", type=float, default=1.0, help="every host's link")
+    parser.add_argument("--batch-size", type=int, default=8, help="per host")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser.add_argument("--iterations", type=int, default=2, help="measured, per system per round")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="unmeasured iterations per system (commsched plans at the 4th, the first round's "
+                             "unmeasured lead-in)")
+    parser.add_argument("--ddp-bucket-mb", nargs="+", type=float, default=[5.0, DDP_DEFAULT_BUCKET_MB],
+                        help="torch DDP's bucket_cap_mb values; best DDP is the fastest (100, one bucket for this "
+                             "model, was the slowest in every cell: left out to save time)")
+    parser.add_argument("--fixed-layout", action="store_true",
+                        help="also train the sharded system with Strategy(adaptive=False): its buckets are never "
+                             "laid out anew, which tells the new layout's peak from the steady state's")
+    parser.add_argument("--repeats", type=int, default=1, help="fresh clusters per cell")
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per cluster")
+    parser.add_argument("--json", type=Path, help="write every run and the summaries here")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    from commsched.bench.cluster import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"sharded: {reason}; it needs the emulated cluster", file=sys.stderr)
+        return 2
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    record: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "commit": commit, "cells": []}
+    report = []
+    for optimizer in args.optimizers:
+        for hosts in args.hosts:
+            started = time.monotonic()
+            outputs = [run_cell(hosts, args.rate_gbit, optimizer, args) for _ in range(args.repeats)]
+            runs = [output["systems"] for output in outputs]
+            cell = summarize(hosts, optimizer, runs, [ddp.name for ddp in ddp_sweep(args.ddp_bucket_mb)])
+            record["cells"].append({**cell, "runs": runs, "phases_s": [output["phases_s"] for output in outputs]})
+            report.append(markdown(cell, args.rate_gbit))
+            phases = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in outputs[0]["phases_s"].items())
+            print(f"{optimizer}, {hosts} hosts: {time.monotonic() - started:.0f} s ({phases})", file=sys.stderr,
+                  flush=True)
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(record, indent=1))
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
