@@ -28,7 +28,7 @@ from commsched.comm.agreement import (
     verify_setup_across_ranks,
 )
 from commsched.comm.allreduce import AllReduceTransport
-from commsched.comm.side_groups import control_group_for, new_group_like, side_group_for
+from commsched.comm.side_groups import control_group_for, parameter_group_for, side_group_for
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
@@ -121,7 +121,7 @@ def _prepare(
     else:
         groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)
         if strategy.shards_optimizer:
-            groups.parameters = new_group_like(group)
+            groups.parameters = parameter_group_for(group)
             policy = ShardedUpdate(optimizer, strategy.fuse_optimizer, lambda: groups.parameters, strategy.timeout_s)
         else:
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,

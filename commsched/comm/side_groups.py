@@ -104,13 +104,27 @@ def side_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _SIDE_GROUPS[group]
 
 
-def new_group_like(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new group over ``group``'s ranks with its backend, made as side groups are (see
-    [Note: side groups]); collective. Its owner lets go of it (nothing caches it)."""
-    backend = str(dist.get_backend(group))
-    if dist.get_world_size(group) == dist.get_world_size():
-        return dist.new_group(backend=backend)
-    return dist.new_group(dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True)
+_PARAMETER_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+"""The all-gathers of sharded optimizer state, by user group: one group per user group, made at the
+first ``prepare()`` that shards and shared by every model prepared on it (torch never frees a
+group, so one per model would pile up). Models share it safely: each issues its all-gathers on the
+training thread, in program order, the same on every rank. Let go of as the side groups are."""
+atexit.register(_PARAMETER_GROUPS.clear)
+
+
+def parameter_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group of its own over ``group``'s ranks, with its backend, for the all-gathers of updated
+    parameters (`commsched.update.sharded`), made at the first call as side groups are (see
+    [Note: side groups]); collective when made."""
+    if group not in _PARAMETER_GROUPS:
+        backend = str(dist.get_backend(group))
+        if dist.get_world_size(group) == dist.get_world_size():
+            _PARAMETER_GROUPS[group] = dist.new_group(backend=backend)
+        else:
+            _PARAMETER_GROUPS[group] = dist.new_group(
+                dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True
+            )
+    return _PARAMETER_GROUPS[group]
 
 
 def side_group_backend(backend: str) -> str:
@@ -128,17 +142,19 @@ def forget_destroyed() -> None:
     Called when a model lets go of its groups: torch keeps a destroyed group's object alive,
     so the weak key alone would keep its side group, and the side group's threads, running.
     """
-    for user_group in list(_SIDE_GROUPS):
-        try:
-            dist.get_process_group_ranks(user_group)
-        except (KeyError, ValueError, RuntimeError):
-            del _SIDE_GROUPS[user_group]
+    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS):
+        for user_group in list(cache):
+            try:
+                dist.get_process_group_ranks(user_group)
+            except (KeyError, ValueError, RuntimeError):
+                del cache[user_group]
 
 
 def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
     """After a failure: later ``prepare()`` calls make new side groups instead of using ``groups``."""
     dropped = {id(group) for group in groups if group is not None}
-    for user_group, side in list(_SIDE_GROUPS.items()):
-        if id(side) in dropped:
-            del _SIDE_GROUPS[user_group]
+    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS):
+        for user_group, side in list(cache.items()):
+            if id(side) in dropped:
+                del cache[user_group]
 

@@ -35,9 +35,9 @@ class ProcessGroups:
     [Note: control messages] in `commsched.comm.side_groups`)."""
 
     parameters: dist.ProcessGroup | None = None
-    """With sharded optimizer state, the all-gathers of updated parameters: a group of their own,
-    since they start at the forward pass's gates (see [Note: sharded optimizer state] in
-    `commsched.update.sharded`)."""
+    """With sharded optimizer state, the all-gathers of updated parameters: a group of their own
+    (shared by the models sharded on one user group), since they start at the forward pass's
+    gates (see [Note: sharded optimizer state] in `commsched.update.sharded`)."""
 
     def forget(self) -> None:
         self.replicas = self.buffers = self.control = self.parameters = None

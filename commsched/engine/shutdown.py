@@ -60,8 +60,8 @@ class Shutdown:
             tracker.abandon()
             abandon_process_groups([groups.replicas], abort=False)  # the caller's, or the job's default group
             # commsched's own, when it has them:
-            abandon_process_groups([groups.buffers, groups.control], abort=True)
-            forget_side_groups([groups.buffers, groups.control])
+            abandon_process_groups([groups.buffers, groups.control, groups.parameters], abort=True)
+            forget_side_groups([groups.buffers, groups.control, groups.parameters])
         self._transport.finish()
         tracker.drain()
         last = self._last_pass()

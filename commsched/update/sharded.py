@@ -10,8 +10,8 @@ only, and the updated chunks are all-gathered into every rank's parameters.
 The parameters of a bucket live in one flat buffer of the bucket's padded
 size (``param.data`` becomes a view into it, the same ``Parameter`` objects),
 so the all-gather writes them in place: no copy and no staging buffer. The
-all-gathers go on a process group of their own, issued in one order on every
-rank (`update_order`, the forward order of the buckets): the updates run when
+all-gathers go on a process group of their own (one per user group, shared by
+the models sharded on it), issued in one order on every rank (`update_order`, the forward order of the buckets): the updates run when
 the forward pass needs them, whose timing differs between ranks, and a group
 shared with anything else would match operations by arrival.
 
