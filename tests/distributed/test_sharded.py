@@ -258,6 +258,11 @@ def case_refusals(rank, world_size):
         commsched.AllReduce(shard_optimizer=1)
     assert not isinstance(model, commsched.CommschedModule)
     model, _ = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), sharded())
+    second = ParityNet()
+    second, _ = commsched.prepare(second, torch.optim.SGD(second.parameters(), lr=0.1), sharded())
+    gathers = commsched.status(model).process_groups.parameters
+    assert gathers is not None and commsched.status(second).process_groups.parameters is gathers  # one per group
+    commsched.release(second)
     with pytest.raises(RuntimeError, match=r"Join \(uneven inputs\) is not supported with "
                                            r"AllReduce\(shard_optimizer=True\).*DistributedSampler\(drop_last=True\)"):
         with Join([model]):
