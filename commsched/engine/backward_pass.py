@@ -100,6 +100,9 @@ class BackwardPass:
         """Per bucket: its update ran (what it started may still be in flight)."""
         self._finished = [False] * num_buckets
         """Per bucket: its update is done, and awaited (`UpdatePolicy.wait_updated`)."""
+        order = policy.update_order
+        self._update_position = {} if order is None else {bucket: i for i, bucket in enumerate(order)}
+        """Each bucket's place in `UpdatePolicy.update_order` (the policy lays it out before a pass starts)."""
         self.outstanding = num_buckets
         """Buckets not yet finished (or marked done by a plain ``optimizer.step()``)."""
         self._unowned_slots: list[int] = []
@@ -237,8 +240,7 @@ class BackwardPass:
         asked for and every bucket before them in that order are updated, then any
         following ones whose reductions are already complete (their all-gathers then
         overlap the forward pass up to their gates); then the ones asked for are awaited."""
-        order = self._policy.update_order
-        position = {bucket: i for i, bucket in enumerate(order)}
+        order, position = self._policy.update_order, self._update_position
         wanted = [b for b in buckets if not self._updated[b]]
         last = max((position[b] for b in wanted), default=-1)
         for bucket in order[:last + 1]:
