@@ -24,6 +24,8 @@ import pytest
 from commsched.testing.groups import Group, GroupOutcome, run_groups
 
 MARKER = "shared_ranks"
+SHARED_SPAWNS_KEY = pytest.StashKey["SharedSpawns"]()
+"""Where the session's `SharedSpawns` is kept for the terminal summary."""
 
 
 def in_shared_ranks(fn, world_size: int, *args: Any, timeout_s: float, tmp_dir: bool = False, last: bool = False):
@@ -97,9 +99,18 @@ class SharedSpawns:
             raise
 
 
+def slowest_groups(outcomes: dict[str, GroupOutcome], count: int) -> list[str]:
+    """Lines for pytest's ``--durations``: a shared spawn's time is charged to the test that started
+    it, so the groups' own times say which tests the spawns spend it on."""
+    timed = sorted(((o.seconds, key) for key, o in outcomes.items() if o.seconds is not None), reverse=True)
+    return [f"{seconds:8.2f}s {key}" for seconds, key in (timed[:count] if count else timed)]
+
+
 @pytest.fixture(scope="session")
 def shared_spawns(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SharedSpawns:
-    return SharedSpawns(request.session, tmp_path_factory)
+    spawns = SharedSpawns(request.session, tmp_path_factory)
+    request.config.stash[SHARED_SPAWNS_KEY] = spawns
+    return spawns
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import faulthandler
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class GroupOutcome:
     """Each rank's return value, in rank order (None: it failed)."""
     report: str | None
     """What failed, on which rank (None: it passed on every rank)."""
+    seconds: float | None = None
+    """How long the group ran, on its slowest rank (None where it did not end on every rank)."""
 
     def result(self) -> list[Any]:
         """Each rank's return value; `RanksFailed` with the report if the group failed."""
@@ -103,30 +106,32 @@ def run_groups(groups: Mapping[str, Group], world_size: int, **run_ranks_options
     return outcomes
 
 
-def _combine(per_rank: list[tuple[bool, Any]]) -> GroupOutcome:
-    failures = {rank: payload for rank, (ok, payload) in enumerate(per_rank) if not ok}
+def _combine(per_rank: list[tuple[bool, Any, float]]) -> GroupOutcome:
+    seconds = max(took for _, _, took in per_rank)
+    failures = {rank: payload for rank, (ok, payload, _) in enumerate(per_rank) if not ok}
     if failures:
         report = "\n".join(f"----- rank {rank} -----\n{text}" for rank, text in sorted(failures.items()))
-        return GroupOutcome(None, f"{len(failures)} of {len(per_rank)} ranks failed:\n{report}")
-    return GroupOutcome(tuple(payload for _, payload in per_rank), None)
+        return GroupOutcome(None, f"{len(failures)} of {len(per_rank)} ranks failed:\n{report}", seconds)
+    return GroupOutcome(tuple(payload for _, payload, _ in per_rank), None, seconds)
 
 
 def _run_in_turn(rank: int, world_size: int, groups: list[tuple[str, Group]], directory: str) -> None:
     store = rank_store()
     fresh_seed = torch.initial_seed()
-    done: dict[str, tuple[bool, Any]] = {}
+    done: dict[str, tuple[bool, Any, float]] = {}
     with open(os.path.join(directory, f"stacks-{rank}.txt"), "w") as stacks:
         for index, (name, group) in enumerate(groups):
             _save(directory, rank, True, done)
             torch.manual_seed(fresh_seed)
             faulthandler.dump_traceback_later(group.timeout_s, exit=True, file=stacks)
+            started = time.perf_counter()
             try:
                 outcome = (True, group.fn(rank, world_size, *group.args))
             except BaseException:  # noqa: BLE001 - reported as this group's failure
                 outcome = (False, traceback.format_exc())
             finally:
                 faulthandler.cancel_dump_traceback_later()
-            done[name] = outcome
+            done[name] = (*outcome, time.perf_counter() - started)
             ok = _save(directory, rank, True, done)
             if group.ends_spawn:
                 return
@@ -139,13 +144,13 @@ def _run_in_turn(rank: int, world_size: int, groups: list[tuple[str, Group]], di
                 return
 
 
-def _save(directory: str, rank: int, started: bool, done: dict[str, tuple[bool, Any]]) -> bool:
+def _save(directory: str, rank: int, started: bool, done: dict[str, tuple[bool, Any, float]]) -> bool:
     """Write what this rank has finished; False if the last outcome is a failure (or cannot be sent)."""
     name = next(reversed(done), None)
     try:
         data = pickle.dumps((started, done))
     except Exception:  # noqa: BLE001 - the last group's value cannot travel: its failure
-        done[name] = (False, f"its return value cannot be pickled:\n{traceback.format_exc()}")
+        done[name] = (False, f"its return value cannot be pickled:\n{traceback.format_exc()}", done[name][2])
         data = pickle.dumps((started, done))
     path = os.path.join(directory, f"progress-{rank}.pkl")
     with open(path + ".tmp", "wb") as file:
@@ -154,7 +159,7 @@ def _save(directory: str, rank: int, started: bool, done: dict[str, tuple[bool, 
     return name is None or done[name][0]
 
 
-def _load(directory: str, rank: int) -> tuple[bool, dict[str, tuple[bool, Any]]]:
+def _load(directory: str, rank: int) -> tuple[bool, dict[str, tuple[bool, Any, float]]]:
     path = os.path.join(directory, f"progress-{rank}.pkl")
     if not os.path.exists(path):
         return False, {}
