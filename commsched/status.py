@@ -15,6 +15,7 @@ from commsched.engine.lifecycle import Lifecycle
 from commsched.engine.reducer import GradientReducer
 from commsched.layout.setting import LayoutSetting
 from commsched.layout.shards import ShardStatus
+from commsched.tuning import confirmation
 from commsched.tuning.decision import Phase
 from commsched.tuning.log import TuningLog
 
@@ -245,6 +246,11 @@ def _tuning(reducer: GradientReducer) -> TuningStatus | None:
 
 
 def _partitioning(reducer: GradientReducer) -> str:
+    if reducer.confirming is not None and reducer.tuning is not None:
+        measured = confirmation.describe(reducer.tuning.log, reducer.confirming)
+        if reducer.choice is not None and reducer.choice.predictions:
+            return f"{measured}; its prediction: {reducer.choice.reason}"
+        return measured
     if reducer.tuning is not None and reducer.tuning.log.current is not None:
         return "the auto-tuner's setting in use (see auto-tuning)"
     choice = reducer.choice

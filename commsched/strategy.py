@@ -172,7 +172,10 @@ class Strategy:
     ``credit_mb``, of partitions four times as large, and of whole buckets on
     its own timeline and the measured link, and every rank uses the cheapest
     (`commsched.status` says which and why). Where communication hides behind
-    compute anyway, fewer and larger collectives cost less. ``False`` keeps
+    compute anyway, fewer and larger collectives cost less. Partitions chosen
+    so are then measured against whole buckets on the next 16 iterations, in
+    turn, and stay only if measurably faster (see [Note: confirming the
+    choice] in `commsched.tuning.confirmation`). ``False`` keeps
     exactly the configured values. Applies to the all-reduce backend with
     ``priority=True``; the parameter-server backend keeps its blocks."""
 

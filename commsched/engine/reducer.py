@@ -43,14 +43,16 @@ from commsched.engine.join import UnevenInputs
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
-from commsched.engine.tuning import TuningSession
+from commsched.engine.tuning import TuningSession, autotuner, confirmation
 from commsched.engine.views_ahead import ViewsAhead
 from commsched.engine.warmup import Warmup, WarmupResult
 from commsched.errors import communication_failed
 from commsched.layout.grad_layout import GradLayout, build_layout
 from commsched.layout.partitions import Plan, fifo_plan
+from commsched.layout.setting import LayoutSetting
 from commsched.planning.cost_model import Choice
 from commsched.planning.plans import WarmupTimeline, bucket_ready_s, plan_on_rank0
+from commsched.tuning.confirmation import describe as confirmation_reason
 from commsched.tuning.guesses import TuningStart
 from commsched.update.base import UpdatePolicy
 from commsched.update.grad_scaling import GRAD_SCALER_REASON, GradScaling
@@ -99,7 +101,11 @@ class GradientReducer:
         self.choice: Choice | None = None
         """The cost model's choice (its reasons on rank 0 only), once made."""
         self.tuning: TuningSession | None = None
-        """With ``Strategy(autotune=True)``, from the end of warm-up on."""
+        """With ``Strategy(autotune=True)``, from the end of warm-up on; or while the cost model's
+        partitions are measured against whole buckets (`confirming`)."""
+        self.confirming: LayoutSetting | None = None
+        """The cost model's partitioning, where it is (or was) measured against whole buckets; see
+        [Note: confirming the choice] in `commsched.tuning.confirmation`."""
         self._timeline: WarmupTimeline | None = None
         """What plans for a new layout are made from, kept from warm-up."""
         self._phase = Phase.IDLE
@@ -207,6 +213,12 @@ class GradientReducer:
             self.gating.use_recorded_reads(result.reads, self.layout)
         if self.config.tuning is not None and self._timeline is not None:
             self.tuning = self._start_tuning(result)
+        elif result.choice is not None and self.config.layout.partition_mb is not None:
+            # Every rank knows the chosen setting, so every rank starts the same switch points.
+            self.confirming = self.config.layout
+            self.tuning = TuningSession(confirmation(self.confirming), self.groups, self.transport,
+                                        self.config.timeout_s)
+        if self.tuning is not None:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
         return new_order
 
@@ -241,7 +253,7 @@ class GradientReducer:
                             tuple((p.numel(), p.element_size()) for p in self.params),
                             tuple(self.layout.forward_order), dist.get_world_size(self.groups.replicas))
         gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        return TuningSession(self.config.tuning, start, gradient_bytes, self.groups, self.transport,
+        return TuningSession(autotuner(self.config.tuning, start, gradient_bytes), self.groups, self.transport,
                              self.config.timeout_s)
 
     def _tuning_switch_point(self, iteration: int) -> tuple[int, ...] | None:
@@ -260,8 +272,10 @@ class GradientReducer:
         self.gating.map_reads(self.layout)
         self.plan = self._agree_on_plan()
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        why = (confirmation_reason(self.tuning.log, self.confirming) if self.confirming is not None
+               else self.tuning.log.describe())
         logger.info("commsched: %s from iteration %d on (%s): %d buckets, %d partitions", setting.describe(),
-                    iteration, self.tuning.log.describe(), len(self.layout.buckets), len(self.layout.partitions))
+                    iteration, why, len(self.layout.buckets), len(self.layout.partitions))
         return self.plan.order
 
     def _layout_may_change(self, iteration: int) -> bool:

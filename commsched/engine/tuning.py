@@ -1,9 +1,11 @@
-"""The auto-tuner inside a run: its switch points, rank 0's decisions, every rank's log.
+"""Switch points inside a run: rank 0's decisions, every rank's log.
 
-See [Note: auto-tuning] in `commsched.tuning`. The session exists from the end of
-warm-up on, with ``Strategy(autotune=True)``. At each switch point (the start
+The session exists from the end of warm-up on, with ``Strategy(autotune=True)``
+(see [Note: auto-tuning] in `commsched.tuning`) or while the cost model's choice
+of partitions is measured against whole buckets (see [Note: confirming the
+choice] in `commsched.tuning.confirmation`). At each switch point (the start
 of a synchronised backward pass whose number every rank knows) rank 0's
-`Controller` decides, the decision is broadcast on the control group, and every
+`TuningController` decides, the decision is broadcast on the control group, and every
 rank applies it to its `TuningLog`; the engine then lays out and plans the
 setting it names, if it changed anything.
 """
@@ -11,12 +13,15 @@ setting it names, if it changed anything.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import torch.distributed as dist
 
 from commsched.comm.transport import Transport, failures_explained
 from commsched.engine.groups import ProcessGroups
 from commsched.layout.setting import LayoutSetting
+from commsched.tuning.confirmation import Confirmation
 from commsched.tuning.controller import Controller, TuningConfig
 from commsched.tuning.decision import Decision, Phase, agree_on_decision
 from commsched.tuning.guesses import TuningStart, simulated_guesses, starting_point
@@ -27,22 +32,21 @@ logger = logging.getLogger("commsched")
 
 
 class TuningSession:
-    """One model's auto-tuning: where the switch points are and what each decided."""
+    """One model's switch points: where they are and what each decided."""
 
     def __init__(
         self,
-        config: TuningConfig,
-        start: TuningStart,
-        gradient_bytes: int,
+        make_controller: Callable[[], TuningController],
         groups: ProcessGroups,
         transport: Transport,
         timeout_s: float,
     ):
-        """``start``: what warm-up gave (its timeline matters on rank 0 only, where the controller runs)."""
-        self._config, self._start, self._gradient_bytes = config, start, gradient_bytes
+        """``make_controller``: rank 0's decider, made at the first switch point (see `autotuner` and
+        `confirmation`)."""
+        self._make_controller = make_controller
         self._groups, self._transport, self._timeout_s = groups, transport, timeout_s
-        self._controller: Controller | None = None
-        """Rank 0's auto-tuner, made at the first switch point."""
+        self._controller: TuningController | None = None
+        """Rank 0's decider, made at the first switch point."""
         self.log = TuningLog()
         """The decisions so far, the same on every rank."""
 
@@ -69,12 +73,36 @@ class TuningSession:
         """Rank 0's decision; a failure of the tuner stops tuning, never training."""
         try:
             if self._controller is None:
-                start = starting_point(self._start)
-                space = SearchSpace.around(self._gradient_bytes, start, self._start.overlap_allowed)
-                self._controller = Controller(space, start, self._config, simulated_guesses(self._start, space))
+                self._controller = self._make_controller()
             return self._controller.decide(iteration)
         except Exception:  # noqa: BLE001 - tuning is an optimisation: keep training as it is
             logger.exception("commsched: auto-tuning stopped at iteration %d; the setting in use stays", iteration)
             if self._controller is not None:
                 return self._controller.stop()
             return Decision(Phase.STOPPED, in_use, 0)
+
+
+class TuningController(Protocol):
+    """Rank 0's decider at switch points: the auto-tuner's `Controller`, or a `Confirmation`."""
+
+    def pass_started(self, iteration: int, now_s: float) -> None: ...
+
+    def decide(self, iteration: int) -> Decision: ...
+
+    def stop(self) -> Decision: ...
+
+
+def autotuner(config: TuningConfig, start: TuningStart, gradient_bytes: int) -> Callable[[], TuningController]:
+    """``Strategy(autotune=True)``'s decider (``start``: what warm-up gave; its timeline matters on rank 0 only)."""
+    def make() -> Controller:
+        first = starting_point(start)
+        space = SearchSpace.around(gradient_bytes, first, start.overlap_allowed)
+        return Controller(space, first, config, simulated_guesses(start, space))
+
+    return make
+
+
+def confirmation(chosen: LayoutSetting) -> Callable[[], TuningController]:
+    """The check of the cost model's ``chosen`` partitioning against whole buckets; see
+    [Note: confirming the choice] in `commsched.tuning.confirmation`."""
+    return lambda: Confirmation(chosen)

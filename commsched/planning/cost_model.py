@@ -113,6 +113,19 @@ class Choice:
         )
 
 
+CONFIRMATION_MARGIN = 0.03
+"""Chosen partitions stay only if their median iteration is this much shorter than whole buckets'
+(`keeps_partitions`). Medians of six iterations of one setting differ by a percent or two from
+run to run on the emulated hosts; a smaller gain is not worth a choice that flips between runs."""
+
+
+def keeps_partitions(partitions_s: float, whole_s: float) -> bool:
+    """Whether chosen partitions whose iteration takes ``partitions_s`` beat whole buckets' ``whole_s``
+    by `CONFIRMATION_MARGIN`: the rule a run applies to its measurements ([Note: confirming the choice]
+    in `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's."""
+    return partitions_s < whole_s * (1 - CONFIRMATION_MARGIN)
+
+
 def candidates(configured: Setting) -> list[Setting]:
     """The configured setting, a coarser one, and whole buckets (each once)."""
     found = [configured]

@@ -6,7 +6,9 @@ configured partitions: at the end of warm-up its cost model
 the measured timeline and link. The simulator takes a Strategy literally, so
 simulating ``Strategy()`` on a large ring would charge it for 1 MiB partitions
 that the run would never use (each costs 2(N-1) hops). `as_run` makes the same
-choice from a `Profile` and a simulated `Cluster`, so that ``commsched plan``
+choice from a `Profile` and a simulated `Cluster`, and, as a run measures chosen
+partitions against whole buckets and keeps the faster
+(`commsched.tuning.confirmation`), simulates both, so that ``commsched plan``
 shows what the defaults really do.
 """
 
@@ -15,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Choice, Timeline, applied, choose
+from commsched.planning.cost_model import Choice, Timeline, applied, choose, keeps_partitions
 from commsched.planning.schedule import LinkModel
 from commsched.profiling.profile import Profile
-from commsched.simulator import Cluster, meta_parameters
+from commsched.simulator import Cluster, meta_parameters, simulate
 from commsched.strategy import Strategy
 
 
@@ -46,4 +48,11 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     literal = dataclasses.replace(strategy, adaptive=False)
     if not strategy.cost_model_picks_partitioning or strategy.autotune or cluster.workers < 2:
         return literal
-    return applied(literal, cost_model_choice(strategy, profile, cluster).setting)
+    chosen = applied(literal, cost_model_choice(strategy, profile, cluster).setting)
+    if chosen.partition_mb is None:
+        return chosen
+    # The run then measures the partitions against whole buckets and keeps the faster
+    # ([Note: confirming the choice]); here the simulator measures.
+    whole = dataclasses.replace(chosen, partition_mb=None, credit_mb=None)
+    chosen_s, whole_s = (simulate(profile, cluster, s).iteration_s for s in (chosen, whole))
+    return chosen if keeps_partitions(chosen_s, whole_s) else whole

@@ -21,6 +21,7 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout import grad_layout as layout_module
 from commsched.planning import calibration as planning
+from commsched.planning import cost_model, plans
 from commsched.testing import (
     OPTIMIZERS,
     assert_equal_on_all_ranks,
@@ -29,6 +30,8 @@ from commsched.testing import (
     run_subtests,
 )
 from commsched.testing.models import ParityNet
+from commsched.tuning import confirmation
+from commsched.tuning.controller import SETTLE_ITERATIONS
 from tests.distributed.test_allreduce_parity import (
     batches,
     case_no_sync_accumulation,
@@ -48,12 +51,47 @@ TINY = commsched.Strategy(partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_
 
 
 def assert_relaid_out(model: torch.nn.Module, rank: int) -> None:
-    """The cost model chose fewer collectives than configured, and every rank follows rank 0."""
+    """The cost model chose fewer collectives than configured, and every rank follows rank 0
+    (partitions are then measured against whole buckets; whole buckets are taken at once)."""
     status = commsched.status(model)
     assert status.partition_mb is None or status.partition_mb > TINY_PARTITION_MB, status.describe()
-    expected = "the cost model's choice: " if rank == 0 else "rank 0's cost model chose "
+    expected = ("the cost model's choice: " if rank == 0 else "rank 0's cost model chose ", "the cost model chose ")
     assert status.partitioning.startswith(expected), status.partitioning
     assert sum(b.partitions for b in status.buckets) == status.partitions
+
+
+def case_partitions_measured_against_whole_buckets(rank, world_size, optimizer_name="adam"):
+    """Where the cost model chooses partitions, the next iterations try them and whole buckets in
+    turn (every rank the same layout at every iteration), then keep one for good; training stays
+    exact across every change. The cost model is made to choose partitions: on loopback it may not."""
+    chosen = cost_model.Setting(4 * TINY_PARTITION_MB, 4 * TINY_CREDIT_MB)
+    real_choose = plans.choose
+    plans.choose = lambda *args, **kwargs: cost_model.Choice(chosen, ())
+    try:
+        torch.manual_seed(0)
+        model = ParityNet()
+        reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
+        model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), TINY)
+        trials = confirmation.LENGTH
+        used = []
+        for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + trials + 3)):
+            local_step(model, optimizer, x, y, iteration, rank)
+            reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+            used.append(commsched.status(model).partition_mb)
+    finally:
+        plans.choose = real_choose
+    trial = SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS
+    expected = [chosen.partition_mb, None] * confirmation.ROUNDS
+    assert used[WARMUP_ITERATIONS:WARMUP_ITERATIONS + trials:trial] == expected, used
+    assert len(set(used[WARMUP_ITERATIONS + trials:])) == 1, used
+    status = commsched.status(model)
+    assert status.partitioning.startswith(f"the cost model chose {chosen.describe()}"), status.partitioning
+    assert "median iteration" in status.partitioning and " ms " in status.partitioning, status.partitioning
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, used)
+    assert all(other == used for other in gathered), gathered
 
 
 def case_loop(rank, world_size, loop, optimizer="sgd_momentum", reentrant=None, checkpointed="middle",
@@ -195,6 +233,8 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
     cases["old buckets go before new ones"] = functools.partial(case_old_buckets_go_before_new_ones, rank, world_size)
     cases["link measured without activations"] = functools.partial(
         case_link_measured_without_activations, rank, world_size)
+    cases["partitions measured against whole buckets"] = functools.partial(
+        case_partitions_measured_against_whole_buckets, rank, world_size)
     run_subtests(cases)
 
 

@@ -1,0 +1,124 @@
+"""Rank 0's check of the cost model's choice on measured iterations: partitions against whole buckets.
+
+[Note: confirming the choice] The cost model predicts from one warm-up
+timeline and a link measured idle. Partitions pay only where it predicts
+right: each is one more collective, and at many hosts each collective costs
+a latency per hop of the ring, which an all-reduce timed among two sizes on
+an idle link may understate several times over (at 8 hosts on a 600 Mbit/s
+link, 4 MiB partitions were predicted to leave 35 ms of waiting and left 92,
+for an iteration 28% slower than torch DDP's). A wrong choice must never
+last: so when the cost model chooses partitions, the first iterations after
+warm-up measure them against whole buckets, interleaved (`ROUNDS` rounds of
+each, `TRIAL_ITERATIONS` measured iterations per trial after one to settle
+on the new layout), and the partitions stay only if their median iteration
+is shorter by more than `CONFIRMATION_MARGIN` (`keeps_partitions` in
+`commsched.planning.cost_model`). Otherwise whole buckets stay: they issue
+the fewest collectives, as torch DDP does, and a tie going to them makes the
+same cell choose the same way run after run.
+
+The trials run on the auto-tuner's switch points (`commsched.engine.tuning`):
+rank 0 measures and decides, every rank applies the same decision.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.cost_model import Setting, keeps_partitions
+from commsched.tuning.controller import SETTLE_ITERATIONS
+from commsched.tuning.decision import Decision, Phase
+from commsched.tuning.log import TuningLog
+
+ROUNDS = 2
+"""Trials of each setting, interleaved: a slow spell of the hosts falls on both alike."""
+
+TRIAL_ITERATIONS = 3
+"""Measured iterations per trial (after `SETTLE_ITERATIONS`)."""
+
+LENGTH = 2 * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
+"""Iterations from the end of warm-up to the verdict."""
+
+
+class Confirmation:
+    """Rank 0's side, in the shape of `commsched.tuning.controller.Controller`: trials of the cost
+    model's partitioning and of whole buckets, interleaved, then the faster for good."""
+
+    def __init__(self, chosen: LayoutSetting, rounds: int = ROUNDS, trial_iterations: int = TRIAL_ITERATIONS):
+        if chosen.partition_mb is None:
+            raise ValueError("there is nothing to confirm: the cost model chose whole buckets")
+        self.chosen = chosen
+        self.whole = whole_buckets(chosen)
+        self._trials = [self.chosen, self.whole] * rounds
+        self._trial_iterations = trial_iterations
+        self._next = 0
+        self._samples: dict[LayoutSetting, list[float]] = {self.chosen: [], self.whole: []}
+        self._interval: list[float] = []
+        self._last: tuple[int, float] | None = None
+        self._measure_from = 0
+        self._current: LayoutSetting | None = None
+
+    def pass_started(self, iteration: int, now_s: float) -> None:
+        """A synchronised pass begins (every one, on rank 0): the interval since the last one ends."""
+        last = self._last
+        if last is not None and iteration == last[0] + 1 and last[0] >= self._measure_from:
+            self._interval.append(now_s - last[1])
+        self._last = (iteration, now_s)
+
+    def decide(self, iteration: int) -> Decision:
+        """At a switch point, after `pass_started` for it: the next trial, or the verdict."""
+        ended_ms = None
+        if self._current is not None:
+            self._samples[self._current] += self._interval
+            ended_ms = statistics.median(self._interval) * 1e3 if self._interval else None
+        self._interval = []
+        self._measure_from = iteration + SETTLE_ITERATIONS
+        if self._next < len(self._trials):
+            self._current = self._trials[self._next]
+            self._next += 1
+            return Decision(Phase.TUNING, self._current, SETTLE_ITERATIONS + self._trial_iterations,
+                            trial=self._next, trials=len(self._trials), ended_ms=ended_ms)
+        self._current = self.verdict()
+        chosen_ms, whole_ms = (_median_ms(self._samples[s]) for s in (self.chosen, self.whole))
+        return Decision(Phase.TUNED, self._current, 0, ended_ms=ended_ms, trials=len(self._trials),
+                        window_ms=chosen_ms, baseline_ms=whole_ms)
+
+    def verdict(self) -> LayoutSetting:
+        """The cost model's partitioning if measured faster than whole buckets by
+        `CONFIRMATION_MARGIN`, else whole buckets."""
+        chosen, whole = self._samples[self.chosen], self._samples[self.whole]
+        if not chosen or not whole:
+            return self.whole
+        return self.chosen if keeps_partitions(statistics.median(chosen), statistics.median(whole)) else self.whole
+
+    def stop(self) -> Decision:
+        """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
+        return Decision(Phase.STOPPED, self.whole, 0)
+
+
+def whole_buckets(setting: LayoutSetting) -> LayoutSetting:
+    """``setting`` without partitions or credit window."""
+    return setting.with_partitioning(None, None)
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return statistics.median(seconds) * 1e3 if seconds else None
+
+
+def describe(log: TuningLog, chosen: LayoutSetting) -> str:
+    """Why the partitioning in use is the one in use (``chosen``: the cost model's), from ``log``."""
+    partitions = Setting(chosen.partition_mb, chosen.credit_mb).describe()
+    if log.phase is Phase.TUNING:
+        return (f"the cost model chose {partitions}; measuring it against whole buckets "
+                f"(trial {log.trial} of {log.trials})")
+    if log.phase is Phase.STOPPED:
+        return (f"the cost model chose {partitions}; its check against whole buckets stopped after an error "
+                "on rank 0 (see its log), and whole buckets stay")
+
+    def ms(value: float | None) -> str:
+        return "not measured" if value is None else f"{value:.2f} ms"
+
+    figures = f"median iteration {ms(log.window_ms)} against {ms(log.baseline_ms)} with whole buckets"
+    if log.current == chosen:
+        return f"the cost model chose {partitions}, kept: {figures}"
+    return f"the cost model chose {partitions}, measured no faster than whole buckets, which stay ({figures})"

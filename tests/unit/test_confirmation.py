@@ -1,0 +1,114 @@
+"""The check of the cost model's partitions against whole buckets, on a fake clock.
+
+As in test_autotune, the driver plays the reducer: a pass starts, and at a switch
+point rank 0's `Confirmation` decides and every rank's log applies the decision;
+the clock advances by the iteration time of the setting in use.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.cost_model import CONFIRMATION_MARGIN as MARGIN
+from commsched.tuning import confirmation
+from commsched.tuning.confirmation import LENGTH, ROUNDS, TRIAL_ITERATIONS, Confirmation, whole_buckets
+from commsched.tuning.controller import SETTLE_ITERATIONS
+from commsched.tuning.decision import Phase
+from commsched.tuning.log import TuningLog
+
+CHOSEN = LayoutSetting(1.0, 4.0, 25.0, 1.0, True)
+WHOLE = whole_buckets(CHOSEN)
+TRIALS_LENGTH = LENGTH
+
+
+def run(cost: Callable[[LayoutSetting, int], float], iterations: int = TRIALS_LENGTH + 20, **fields):
+    """Drive a confirmation from the end of warm-up; ``cost(setting, iteration)`` in seconds.
+    Returns the log and each iteration's setting."""
+    controller, log = Confirmation(CHOSEN, **fields), TuningLog()
+    iteration, clock, used = WARMUP_ITERATIONS, 0.0, []
+    controller.pass_started(iteration, clock)
+    log.apply(iteration, controller.decide(iteration))
+    for _ in range(iterations):
+        used.append(log.current)
+        clock += cost(log.current, iteration)
+        iteration += 1
+        controller.pass_started(iteration, clock)
+        if log.next_switch == iteration:
+            log.apply(iteration, controller.decide(iteration))
+    return log, used
+
+
+def fixed(chosen_s: float, whole_s: float) -> Callable[[LayoutSetting, int], float]:
+    return lambda setting, iteration: chosen_s if setting == CHOSEN else whole_s
+
+
+def test_trials_alternate_then_one_setting_stays_for_good():
+    log, used = run(fixed(0.100, 0.120))
+    trial = SETTLE_ITERATIONS + TRIAL_ITERATIONS
+    expected = [CHOSEN, WHOLE] * ROUNDS
+    assert [used[i * trial] for i in range(2 * ROUNDS)] == expected
+    assert all(len(set(used[i * trial:(i + 1) * trial])) == 1 for i in range(2 * ROUNDS))
+    assert log.phase is Phase.TUNED and log.next_switch is None
+    assert set(used[TRIALS_LENGTH:]) == {CHOSEN}
+
+
+@pytest.mark.parametrize(("chosen_ms", "whole_ms", "kept"), [
+    (100.0, 120.0, CHOSEN),    # partitions pay: they stay
+    (100.0, 101.0, WHOLE),     # within the margin: a tie goes to fewer collectives
+    (128.0, 100.0, WHOLE),     # partitions 28% slower: whole buckets
+])
+def test_the_verdict(chosen_ms, whole_ms, kept):
+    log, used = run(fixed(chosen_ms / 1e3, whole_ms / 1e3))
+    assert log.current == kept and used[-1] == kept
+    assert log.window_ms == pytest.approx(chosen_ms) and log.baseline_ms == pytest.approx(whole_ms)
+    text = confirmation.describe(log, CHOSEN)
+    assert ("kept" in text) == (kept == CHOSEN), text
+    assert f"{chosen_ms:.2f} ms" in text and f"{whole_ms:.2f} ms" in text, text
+
+
+def test_the_settling_iteration_is_not_measured():
+    """The first iteration of each trial pays for the new layout; a very slow one must not count
+    (one measured iteration per trial, so that a median cannot hide it)."""
+    trial = SETTLE_ITERATIONS + 1
+
+    def cost(setting, iteration):
+        first_of_trial = (iteration - WARMUP_ITERATIONS) % trial == 0
+        return 10.0 if first_of_trial and setting == WHOLE else fixed(0.100, 0.120)(setting, iteration)
+
+    log, _ = run(cost, trial_iterations=1)
+    assert log.current == CHOSEN and log.baseline_ms == pytest.approx(120.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gain=st.sampled_from([-0.3, 0.0, 0.1, 0.2]))
+def test_noise_does_not_flip_a_clear_verdict(seed, gain):
+    """Iteration times with 1% noise: a gain well outside the margin always wins, a loss or tie never does."""
+    rng = random.Random(seed)
+    whole_s = 0.2
+
+    def noisy(setting, iteration):
+        base = whole_s * (1 - gain) if setting == CHOSEN else whole_s
+        return base * (1 + rng.gauss(0, 0.01))
+
+    log, _ = run(noisy)
+    assert log.current == (CHOSEN if gain > 2 * MARGIN else WHOLE)
+
+
+def test_whole_buckets_need_no_confirmation():
+    with pytest.raises(ValueError, match="nothing to confirm"):
+        Confirmation(WHOLE)
+
+
+def test_a_failure_keeps_whole_buckets_and_ends_the_switch_points():
+    decision = Confirmation(CHOSEN).stop()
+    assert decision.setting == WHOLE and decision.next_in == 0 and decision.phase is Phase.STOPPED
+    log = TuningLog()
+    log.apply(WARMUP_ITERATIONS, decision)
+    assert "stopped" in confirmation.describe(log, CHOSEN)
