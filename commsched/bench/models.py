@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from commsched.bench.emulated import EMULATED_WORKLOADS, INPUT_WIDTH
+
 
 class DemoNet(nn.Module):
     """A small MLP classifier for the demo."""
@@ -208,4 +210,6 @@ WORKLOADS: dict[str, Workload] = {
     "resnet-like": Workload("resnet-like", ResNetLike, (3, 32, 32)),
     "vgg-like": Workload("vgg-like", VGGLike, (3, 32, 32)),
     "transformer-like": Workload("transformer-like", TransformerLike, (64,), vocab=8000),
+    # Computation charged as sleep, sized for the emulated links (`commsched.bench.emulated`).
+    **{name: Workload(name, emulated.build, (INPUT_WIDTH,)) for name, emulated in EMULATED_WORKLOADS.items()},
 }
