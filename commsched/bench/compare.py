@@ -36,7 +36,12 @@ from commsched.bench.models import WORKLOADS, Workload
 from commsched.bench.peers import OPTIMIZERS, OptimizerFactory, PeerUnavailable, build, optimizer_state_bytes
 from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2
 from commsched.engine.backward_pass import IterationFigures
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.strategy import Strategy
+from commsched.tuning.confirmation import LENGTH as CONFIRMATION_LENGTH
+
+SETTLED_AFTER = WARMUP_ITERATIONS + CONFIRMATION_LENGTH + 1
+"""Iterations after which commsched's layout no longer changes (without the auto-tuner)."""
 
 
 @dataclass(frozen=True)
@@ -217,12 +222,23 @@ def worker_group(world_size: int, num_servers: int) -> dist.ProcessGroup:
 
 def start_run(system: System, base: torch.nn.Module, workers: dist.ProcessGroup, config: ComparisonConfig,
               rank: int, num_workers: int) -> Run:
-    """Build ``system`` on a copy of ``base`` and train its unmeasured warm-up iterations."""
+    """Build ``system`` on a copy of ``base`` and train its unmeasured warm-up iterations (`warmup_of`)."""
     model, optimizer = build(system, copy.deepcopy(base), workers, config.make_optimizer)
     run = Run(system, model, optimizer, config, rank, num_workers)
-    for _ in range(config.warmup):
+    for _ in range(warmup_of(config)):
         run.step()
     return run
+
+
+def warmup_of(config: ComparisonConfig) -> int:
+    """Unmeasured iterations of every system: ``config.warmup``, and where a commsched system lets its
+    cost model choose, at least until that choice has been measured against whole buckets
+    (`commsched.tuning.confirmation`), so that the rounds measure the setting a run keeps, not its
+    trials. The same for every system, so that their final losses compare."""
+    if any(isinstance(s, Commsched) and s.strategy.cost_model_picks_partitioning and not s.strategy.autotune
+           for s in config.systems):
+        return max(config.warmup, SETTLED_AFTER)
+    return config.warmup
 
 
 def _may_be_unavailable(system: System) -> bool:

@@ -43,22 +43,31 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from commsched.bench.compare import SETTLED_AFTER
+from commsched.bench.cpu_guard import CpuSampler
 from commsched.bench.results import Cell, markdown, peak_rss, plot, summarize
-from commsched.bench.systems import (
-    UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, decode, encode,
-)
+from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import ParameterServer, Strategy
 
 DDP_SWEEP_MB = (5.0, 100.0)
 """bucket_cap_mb values tried besides DDP's default 25, for the best-DDP column."""
 DDP_STATIC_MB = (None, 5.0)
 """bucket_cap_mb values (None: DDP's default) tried with static_graph and gradient_as_bucket_view."""
-BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
+BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16,
+         "vgg16-emulated": 32, "resnet50-emulated": 32, "gpt2-emulated": 32}
+"""Per model, the default batch per host. The emulated models' batch sizes only their small real
+input: the time their profile charges stands for the profile's own batch (`commsched.bench.emulated`)."""
+REAL_COMPUTE = ("resnet-like", "transformer-like", "vgg-like")
+"""Models whose computation runs on the host's cores: hosts share them."""
+EMULATED = ("gpt2-emulated", "resnet50-emulated", "vgg16-emulated")
+"""Models whose computation is a profile's per-layer times slept away: the cores stay free, as on
+accelerator hosts, so 8-16 hosts fit on a few cores."""
 
-FULL = {"rates_gbit": [0.1, 0.25, 1.0, 10.0], "hosts": [2, 4], "repeats": 3, "rounds": 3, "iterations": 5,
-        "warmup": 6}
+FULL = {"models": [*REAL_COMPUTE, *EMULATED], "rates_gbit": [0.1, 0.25, 1.0, 10.0], "hosts": [2, 4], "repeats": 3,
+        "rounds": 3, "iterations": 5, "warmup": 6}
 """The grid's settings, where the command line leaves them out."""
-QUICK = {"rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2, "iterations": 6, "warmup": 4}
+QUICK = {"models": list(REAL_COMPUTE), "rates_gbit": [0.25, 1.0], "hosts": [2], "repeats": 1, "rounds": 2,
+         "iterations": 6, "warmup": 4}
 """``--quick``: 6 cells (3 models, 2 rates, 2 hosts), one repeat, fewer rounds (about 11 minutes on 2
 cores). Options given on the command line win (``--quick --hosts 4``).
 
@@ -165,6 +174,11 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
     With ``measure_peak_rss``, each system's ``peak_rss_mib`` is measured first (`commsched.bench.memory`).
     With ``profile``, the model is profiled on the cell's hosts after the comparison
     (`commsched.bench.in_situ`) and ``"profile"`` holds it as JSON-ready data (else None).
+
+    ``"cpu"`` is how busy the machine's cores were while the hosts ran, from their start to their
+    end (`commsched.bench.cpu_guard.CpuUse` as data: ``median``, ``p90``, ``cores``, ``samples``,
+    ``cores_set_the_pace``), so that a cell where the cores rather than the links set the pace can
+    be told apart; None where ``/proc/stat`` cannot be read.
     """
     from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
@@ -175,14 +189,17 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
         config_path.write_text(json.dumps(spec))
         procs = []
-        for host in range(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
-                    "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
-                    f"--master-port={port}", "-m", "commsched.bench.grid", "--worker", str(config_path), str(out_path)]
-            procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        wait_for_hosts(procs, timeout_s, str(cell))
-        return json.loads(out_path.read_text())
+        with CpuSampler() as sampler:
+            for host in range(hosts):
+                argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
+                        "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
+                        f"--master-port={port}", "-m", "commsched.bench.grid", "--worker", str(config_path),
+                        str(out_path)]
+                procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            wait_for_hosts(procs, timeout_s, str(cell))
+        use = sampler.summary()
+        return {**json.loads(out_path.read_text()), "cpu": None if use is None else asdict(use)}
 
 
 def _memory_key(cell: Cell) -> tuple:
@@ -222,12 +239,21 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as progress:
         task = progress.add_task("benchmark", total=len(cells) * repeats)
-        for cell in cells:
+        started = time.monotonic()
+        for number, cell in enumerate(cells, 1):
             runs = []
             for repeat in range(repeats):
+                done = (number - 1) * repeats + repeat
+                left_s = (time.monotonic() - started) / done * (len(cells) * repeats - done) if done else None
+                progress.console.print(start_line(number, len(cells), cell, repeat, repeats, left_s))
                 progress.update(task, description=f"{cell.model} {cell.hosts} hosts {cell.rate_gbit:g} Gbit/s")
                 runs.append(run_cell(cell, chosen, rounds, iterations, warmup, timeout_s,
                                      measure_peak_rss=cell in measuring and repeat == 0))
+                use = runs[-1].get("cpu")
+                if use and use["cores_set_the_pace"]:
+                    progress.console.print(f"  the cores set the pace: {use['median']:.0%} of {use['cores']} cores "
+                                           f"busy at the median (90th percentile {use['p90']:.0%}); this run "
+                                           "measures the machine, not the links")
                 progress.advance(task)
             if cell in measuring:
                 peaks[_memory_key(cell)] = peak_rss(runs)
@@ -238,6 +264,18 @@ def run_grid(cells: list[Cell], out: Path, rounds: int, iterations: int, warmup:
             (out / "results.md").write_text(markdown(rows))
     plot(rows, out / "speedup.png")
     return rows
+
+
+def start_line(number: int, cells: int, cell: Cell, repeat: int, repeats: int, left_s: float | None) -> str:
+    """``cell 2 of 6: vgg-like at 0.25 Gbit/s on 2 hosts, repeat 1 of 3; about 25 min left``, printed as
+    each run starts, so that a long grid says where it is and roughly when it ends (the time left is
+    the mean run so far times the runs left; None: no run has ended yet)."""
+    servers = f" + {cell.ps_servers} server{'s' if cell.ps_servers > 1 else ''}" if cell.ps_servers else ""
+    line = (f"cell {number} of {cells}: {cell.model} at {cell.rate_gbit:g} Gbit/s on {cell.hosts} hosts{servers}, "
+            f"repeat {repeat + 1} of {repeats}")
+    if left_s is None:
+        return line
+    return line + (f"; about {round(left_s / 60)} min left" if left_s >= 30 else "; under a minute left")
 
 
 def _share_peaks(cells: Sequence[Cell], rows: list[dict], peaks: dict[tuple, dict[str, float] | None]) -> None:
@@ -254,19 +292,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--quick", action="store_true",
                         help="3 models, 0.25 and 1 Gbit/s, 2 hosts, one repeat, fewer rounds: about 11 minutes "
                              "on 2 cores; options given as well win (--quick --hosts 4)")
-    parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
+    parser.add_argument("--models", nargs="+", choices=sorted(BATCH),
+                        help=f"default {FULL['models']}; the emulated ones sleep their profile's compute, leaving "
+                             "the cores free as accelerator hosts do (for 8-16 hosts)")
     parser.add_argument("--rates-gbit", nargs="+", type=float, help=f"default {FULL['rates_gbit']}")
     parser.add_argument("--hosts", nargs="+", type=int,
                         help=f"workers per cell, each an emulated host (default {FULL['hosts']})")
     parser.add_argument("--batch-sizes", nargs="+", type=int,
-                        help="per host, each a cell of its own (default: 64 VGG, 32 ResNet, 16 Transformer)")
+                        help="per host, each a cell of its own (default: 64 VGG, 32 ResNet, 16 Transformer, 32 "
+                             "the emulated ones)")
     parser.add_argument("--ps-servers", type=int, default=1,
                         help="extra hosts serving the parameter-server system (0 leaves it out)")
     parser.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
     parser.add_argument("--iterations", type=int, help=f"per system per round (default {FULL['iterations']})")
     parser.add_argument("--warmup", type=int,
-                        help="unmeasured iterations per system (commsched plans its order at the 4th; "
-                             f"default {FULL['warmup']})")
+                        help="unmeasured iterations per system (commsched plans its order at the 4th and, where "
+                             "its cost model chose partitions, measures them against whole buckets until the "
+                             f"{SETTLED_AFTER}th, so it warms up at least that long; default {FULL['warmup']})")
     parser.add_argument("--repeats", type=int, help=f"fresh clusters per cell (default {FULL['repeats']})")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))

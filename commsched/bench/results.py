@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from commsched.bench.cpu_guard import CORES_BUSY_THRESHOLD, SAMPLE_INTERVAL_S, cores_set_the_pace
 from commsched.bench.models import input_layer_share
 from commsched.bench.systems import Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, scheduling_off
 
@@ -83,6 +84,18 @@ def _contention(cell_runs: list[dict], bounds: list[float], ours: list[float]) -
     return {"contention_ratio": statistics.median(ratios),
             "contended_bound_ms": statistics.median(contended) * 1e3,
             "contended_efficiency": statistics.median(b / o for b, o in zip(contended, ours))}
+
+
+def _cpu(cell_runs: list[dict]) -> dict:
+    """How busy the cores were (`commsched.bench.cpu_guard`): medians over the repeats that measured
+    it of each run's median and 90th percentile, and whether the cores set the cell's pace by that
+    median; None (and not marked) where no run measured it, as in runs saved before it was."""
+    measured = [r["cpu"] for r in cell_runs if r.get("cpu")]
+    if not measured:
+        return {"cpu_busy_median": None, "cpu_busy_p90": None, "cpu_cores": None, "cores_set_the_pace": False}
+    median = statistics.median(m["median"] for m in measured)
+    return {"cpu_busy_median": median, "cpu_busy_p90": statistics.median(m["p90"] for m in measured),
+            "cpu_cores": measured[0]["cores"], "cores_set_the_pace": cores_set_the_pace(median)}
 
 
 def unavailable(cell_runs: list[dict]) -> dict[str, str]:
@@ -191,6 +204,7 @@ def summarize(cell: Cell, runs: list[dict], chosen: Sequence[System],
         **_contention(runs, bounds, ours),
         **_fsdp2(runs, chosen, ours),
         **_figures(runs, ours_name),
+        **_cpu(runs),
         "peak_rss_mib": peak_rss_mib if peak_rss_mib is not None else peak_rss(runs),
         "unavailable": unavailable(runs),
         **ps,
@@ -258,7 +272,7 @@ def _or_na(value: float | None, spec: str) -> str:
 def _times_table(rows: list[dict]) -> list[str]:
     header = ("| model | hosts | Gbit/s | batch | compute ms | all-reduce ms (CPU ms) | bound ms | DDP ms "
               "| best DDP ms | FSDP2 ms | sched. off ms | commsched ms | speedup vs DDP (range) | vs best DDP "
-              "| vs FSDP2 | efficiency (DDP's) | bound with contention ms (efficiency) |")
+              "| vs FSDP2 | efficiency (DDP's) | bound with contention ms (efficiency) | CPU busy (p90) |")
     lines = []
     for r in rows:
         low, high = r["speedup_vs_ddp_range"]
@@ -268,9 +282,27 @@ def _times_table(rows: list[dict]) -> list[str]:
             f"| {r['best_ddp_ms']:.0f} | {_or_na(r.get('fsdp2_ms'), '.0f')} | {r['scheduling_off_ms']:.0f} "
             f"| {r['commsched_ms']:.0f} | {r['speedup_vs_ddp']:.2f} ({low:.2f}-{high:.2f}) "
             f"| {r['speedup_vs_best_ddp']:.2f} | {_or_na(r.get('speedup_vs_fsdp2'), '.2f')} "
-            f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) | {_contended(r)} |"
+            f"| {r['efficiency']:.2f} ({r['ddp_efficiency']:.2f}) | {_contended(r)} | {_cpu_busy(r)} |"
         )
-    return _table(header, lines)
+    return _table(header, lines) + _cpu_footnote(rows)
+
+
+def _cpu_footnote(rows: list[dict]) -> list[str]:
+    """Under the times table, where a cell is marked: what the mark means."""
+    if not any(r.get("cores_set_the_pace") for r in rows):
+        return []
+    cores = max(r.get("cpu_cores") or 0 for r in rows)
+    return ["", f"! The machine's {cores} cores were at least {CORES_BUSY_THRESHOLD:.0%} busy in most of the samples "
+            f"taken every {SAMPLE_INTERVAL_S:g} s while the cell ran: the cores, not the links, set its pace, so "
+            "such a cell measures the machine, not the links."]
+
+
+def _cpu_busy(row: dict) -> str:
+    """The cores' busy share, median (90th percentile), with ``!`` where they set the cell's pace."""
+    if row.get("cpu_busy_median") is None:
+        return "n/a"
+    mark = " !" if row.get("cores_set_the_pace") else ""
+    return f"{row['cpu_busy_median']:.0%} ({row['cpu_busy_p90']:.0%}){mark}"
 
 
 def _contended(row: dict) -> str:

@@ -128,6 +128,50 @@ def test_no_breakdown_without_commsched_figures():
     assert "exposed communication" not in markdown([row])
 
 
+def test_cells_where_the_cores_set_the_pace_are_marked():
+    """Two repeats with the cores 90% and 95% busy at the median: the cell's 92% is over the threshold."""
+    def busy(median: float, p90: float) -> dict:
+        return {"median": median, "p90": p90, "cores": 2, "samples": 40, "cores_set_the_pace": median >= 0.85}
+
+    row = summarize(CELL, [run() | {"cpu": busy(0.9, 0.98)}, run() | {"cpu": busy(0.95, 1.0)}], SYSTEMS)
+    assert row["cpu_busy_median"] == pytest.approx(0.925) and row["cpu_busy_p90"] == pytest.approx(0.99)
+    assert row["cpu_cores"] == 2 and row["cores_set_the_pace"]
+    table = markdown([row])
+    assert table.splitlines()[0].endswith("| CPU busy (p90) |")
+    assert table.splitlines()[2].endswith("| 92% (99%) ! |")
+    assert "! The machine's 2 cores were at least 85% busy" in table
+    assert "such a cell measures the machine, not the links." in table
+
+    calm = summarize(CELL, [run() | {"cpu": busy(0.6, 0.9)}, run() | {"cpu": busy(0.7, 0.95)}], SYSTEMS)
+    assert not calm["cores_set_the_pace"]
+    assert markdown([calm]).splitlines()[2].endswith("| 65% (92%) |") and "!" not in markdown([calm])
+    # one busy repeat of three does not mark the cell: the median over repeats decides
+    mixed = summarize(CELL, [run() | {"cpu": busy(b, 1.0)} for b in (0.5, 0.95, 0.6)], SYSTEMS)
+    assert mixed["cpu_busy_median"] == pytest.approx(0.6) and not mixed["cores_set_the_pace"]
+
+
+def test_runs_without_cpu_figures_still_render():
+    """Runs saved before the guard, and runs where /proc/stat could not be read ("cpu": None)."""
+    for runs in ([run()], [run() | {"cpu": None}]):
+        row = summarize(CELL, runs, SYSTEMS)
+        assert row["cpu_busy_median"] is None and not row["cores_set_the_pace"]
+        table = markdown([row])
+        header, separator, line = table.splitlines()[:3]
+        assert line.endswith("| n/a | n/a |")  # no contention measured either
+        assert header.count("|") == separator.count("|") == line.count("|")
+        assert "!" not in table
+
+
+def test_each_run_says_where_the_grid_is():
+    cell = Cell("vgg-like", 0.25, 2, 64, ps_servers=1)
+    assert grid.start_line(2, 6, cell, 0, 3, None) == (
+        "cell 2 of 6: vgg-like at 0.25 Gbit/s on 2 hosts + 1 server, repeat 1 of 3")
+    assert grid.start_line(6, 6, CELL, 2, 3, 25 * 60 + 10) == (
+        "cell 6 of 6: vgg-like at 0.25 Gbit/s on 2 hosts, repeat 3 of 3; about 25 min left")
+    assert grid.start_line(1, 1, CELL, 1, 2, 40).endswith("; about 1 min left")
+    assert grid.start_line(1, 1, CELL, 1, 2, 5).endswith("; under a minute left")
+
+
 def settings(*argv: str) -> argparse.Namespace:
     args = grid.build_parser().parse_args(list(argv))
     grid.fill_in_settings(args)
@@ -143,18 +187,24 @@ def test_quick_keeps_its_size_and_takes_hosts_given():
     assert settings().hosts == [2, 4] and settings().repeats == 3
 
 
-def test_peak_rss_is_measured_once_per_model_hosts_and_batch(tmp_path, monkeypatch):
+def test_peak_rss_is_measured_once_per_model_hosts_and_batch(tmp_path, monkeypatch, capsys):
     asked = []
 
     def fake_run_cell(cell, chosen, rounds, iterations, warmup, timeout_s, measure_peak_rss=False):
         asked.append((cell.model, cell.hosts, cell.rate_gbit, measure_peak_rss))
         times = {s: 0.5 + 0.1 * i for i, s in enumerate(chosen)}
         peaks = {s: 100.0 * cell.hosts for s in chosen} if measure_peak_rss else None
-        return run(times, peaks=peaks)
+        busy = 0.95 if cell.hosts == 4 else 0.5  # four hosts on two cores: the cores set the pace
+        return run(times, peaks=peaks) | {"cpu": {"median": busy, "p90": 1.0, "cores": 2, "samples": 9,
+                                                  "cores_set_the_pace": busy >= 0.85}}
 
     monkeypatch.setattr(grid, "run_cell", fake_run_cell)
     cells = [Cell("vgg-like", rate, hosts, 64) for hosts in (2, 4) for rate in (0.25, 1.0)]
     rows = grid.run_grid(cells, tmp_path, rounds=1, iterations=1, warmup=1, repeats=2, timeout_s=1)
+    printed = capsys.readouterr().out
+    assert "cell 4 of 4: vgg-like at 1 Gbit/s on 4 hosts, repeat 2 of 2" in printed
+    assert printed.count("the cores set the pace: 95% of 2 cores") == 4  # every run of the two 4-host cells
+    assert [r["cores_set_the_pace"] for r in rows] == [False, False, True, True]
     # on the fastest link of each model, hosts and batch, first repeat only; shared with the slower cells
     assert [a for a in asked if a[3]] == [("vgg-like", 2, 1.0, True), ("vgg-like", 4, 1.0, True)]
     assert len(asked) == 8
@@ -162,3 +212,4 @@ def test_peak_rss_is_measured_once_per_model_hosts_and_batch(tmp_path, monkeypat
     results = (tmp_path / "results.md").read_text()
     assert "torch FSDP2 MiB" in results and "| vgg-like | 2 | 64 | 200 |" in results
     assert "| vgg-like | 4 | 64 | 400 |" in results
+    assert results.count("| 95% (100%) ! |") == 2 and results.count("| 50% (100%) |") == 2

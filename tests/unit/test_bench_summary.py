@@ -43,7 +43,14 @@ def test_table_and_plot(tmp_path):
     assert table.count("\n") == 4 and "| vgg-like | 2 | 0.25 | 64 |" in table
     header, separator = table.splitlines()[:2]
     assert header.count("|") == separator.count("|")
+    assert all(line.endswith("| n/a |") for line in table.splitlines()[2:])  # no CPU figures: not marked
     assert plot(rows, tmp_path / "speedup.png").stat().st_size > 5000
+
+    busy = {"median": 0.91, "p90": 0.97, "cores": 2, "samples": 30, "cores_set_the_pace": True}
+    rows[1] = summarize(Cell("vgg-like", 1.0, 2, 64), [run(0.5, 0.4, 1.0, 0.9, 0.95, 0.7) | {"cpu": busy}], SYSTEMS)
+    lines = markdown(rows).splitlines()
+    assert lines[2].endswith("| n/a |") and lines[3].endswith("| 91% (97%) ! |")
+    assert lines[4] == "" and lines[5].startswith("! The machine's 2 cores were at least 85% busy")
 
 
 def ps_run(*times, ps_s, server_bytes, server_link_s):
