@@ -159,9 +159,15 @@ def scaler_first_seen_after_warmup(rank: int, world_size: int, device: str = "cp
         commsched.release(model)
 
 
+ONE_RANK_STRATEGIES = ("default", "unfused, no overlap")
+"""On one CPU rank nothing is in flight (overlap, priority and partitions do not apply): the
+strategies that still differ, the fused update and the plain one."""
+
+
 def mixed_precision_cases(rank: int, world_size: int, device: str = "cpu") -> None:
     cases = {}
-    for label, strategy in STRATEGIES.items():
+    labels = ONE_RANK_STRATEGIES if world_size == 1 and device == "cpu" else tuple(STRATEGIES)
+    for label, strategy in ((label, STRATEGIES[label]) for label in labels):
         for optimizer_name in ("sgd_momentum", "adam_no_decay"):
             cases[f"{label} {optimizer_name} scaler"] = case(
                 world_size, rank, strategy, optimizer_name, "plain", device)
