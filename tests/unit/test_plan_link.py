@@ -151,16 +151,6 @@ def test_without_an_idle_measurement_a_slow_link_is_kept_busy_during_the_backwar
     assert max(position[pid] for pid in first_ready) < min(position[pid] for pid in last_bucket), order
 
 
-def test_the_pace_is_judged_on_the_idle_link_where_measured():
-    idle = LinkModel(latency_s=0.001, bytes_per_s=1e8)
-    measured = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002, idle_link=idle)
-    warm_up_only = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.002)
-    unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.002)
-    assert plans.pacing_link(measured) == idle
-    assert plans.pacing_link(warm_up_only) == LinkModel(latency_s=0.002, bytes_per_s=5e7)
-    assert plans.pacing_link(unknown) is None
-
-
 def link_samples(sizes: tuple[int, int], fixed_s: float, bytes_per_s: float, slow: dict[tuple[int, int], float]):
     """`CALIBRATION_REPEATS` rows of (wall, CPU share) per size on the line, plus ``slow[(row, size)]`` seconds."""
     return [[(fixed_s + n / bytes_per_s + slow.get((row, i), 0.0), 0.1 + 0.01 * row) for i, n in enumerate(sizes)]

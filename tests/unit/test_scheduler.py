@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.layout.partitions import Plan, PlanExecutor, fifo_plan, make_partitions
-from commsched.planning.plans import link_sets_the_pace
 from commsched.planning.schedule import LinkModel, SimulatedSchedule, robust_plan, simulate_schedule
 
 
@@ -95,39 +94,26 @@ def test_robust_plan_moves_late_partitions_behind_urgent_ones():
     partitions = two_buckets()
     schedule = SimulatedSchedule(order=[0, 1, 4, 2, 3], finish_s={0: 1.0, 1: 2.0, 4: 3.0, 2: 4.0, 3: 5.0},
                                  start_s={0: 0.0, 1: 1.0, 4: 2.0, 2: 3.0, 3: 4.0})
-    # Where computation sets the pace, only what finishes by the last ready time keeps its place.
-    assert robust_plan(partitions, schedule, last_ready_s=2.0) == [0, 1, 4, 2, 3]
-    assert robust_plan(partitions, schedule, last_ready_s=1.5) == [0, 4, 1, 2, 3]
-    # Where the link does, what gets the link before it does.
-    assert robust_plan(partitions, schedule, last_ready_s=1.5, link_sets_the_pace=True) == [0, 1, 4, 2, 3]
-    assert robust_plan(partitions, schedule, last_ready_s=1.0, link_sets_the_pace=True) == [0, 4, 1, 2, 3]
+    # What gets the link before the last bucket is ready keeps its place; the rest goes most urgent first.
+    assert robust_plan(partitions, schedule, last_ready_s=1.5) == [0, 1, 4, 2, 3]
+    assert robust_plan(partitions, schedule, last_ready_s=1.0) == [0, 4, 1, 2, 3]
 
 
-def test_robust_plan_keeps_a_pace_setting_link_busy_until_the_backward_pass_ends():
-    """Where the link sets the pace, a partition that starts before the end keeps its place
-    even if it runs past it: moving it behind the urgent bucket would leave the link idle."""
+def test_robust_plan_keeps_the_link_busy_until_the_backward_pass_ends():
+    """A partition that starts before the end keeps its place even if it runs past it: moving it
+    behind the urgent bucket would leave the link idle ([Note: keeping the link busy])."""
     partitions = two_buckets()
     link = LinkModel(latency_s=0.0, bytes_per_s=100.0)  # 1 s per partition
     ready = [0.0, 2.5]  # bucket 0 early; bucket 1 (the urgent one) at the end of backward
     schedule = simulate_schedule(partitions, ready, link, credit_bytes=None, by_priority=True)
-    plan = robust_plan(partitions, schedule, last_ready_s=2.5, link_sets_the_pace=True)
+    plan = robust_plan(partitions, schedule, last_ready_s=2.5)
     started_before_end = [pid for pid in schedule.order if schedule.start_s[pid] < 2.5]
     assert plan[: len(started_before_end)] == started_before_end
     assert any(schedule.finish_s[pid] > 2.5 for pid in started_before_end)
     # at most one kept partition runs past the end
     assert sum(schedule.finish_s[pid] > 2.5 for pid in started_before_end) == 1
-    # where computation sets the pace, that one goes behind the urgent bucket instead
-    cautious = robust_plan(partitions, schedule, last_ready_s=2.5)
-    assert cautious[: len(started_before_end) - 1] == started_before_end[:-1]
-    assert cautious[len(started_before_end) - 1] == 4
-
-
-def test_the_link_sets_the_pace_when_its_time_exceeds_the_computation():
-    partitions = two_buckets()  # 500 bytes in 5 partitions
-    slow = LinkModel(latency_s=0.1, bytes_per_s=100.0)  # 5 x 1.1 s
-    assert link_sets_the_pace(partitions, last_ready_s=3.0, forward_s=2.0, link=slow)
-    assert not link_sets_the_pace(partitions, last_ready_s=4.0, forward_s=2.0, link=slow)
-    assert not link_sets_the_pace(partitions, last_ready_s=0.1, forward_s=0.1, link=None)  # unmeasured: cautious
+    # none of the first bucket's partitions that had not started waits ahead of the urgent one
+    assert plan[len(started_before_end)] == 4
 
 
 class FakeLink:
