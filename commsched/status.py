@@ -247,7 +247,7 @@ def _tuning(reducer: GradientReducer) -> TuningStatus | None:
 
 def _partitioning(reducer: GradientReducer) -> str:
     if reducer.confirming is not None and reducer.tuning is not None:
-        measured = confirmation.describe(reducer.tuning.log, reducer.confirming)
+        measured = confirmation.describe(reducer.tuning.log, *reducer.confirming)
         if reducer.choice is not None and reducer.choice.predictions:
             return f"{measured}; its prediction: {reducer.choice.reason}"
         return measured

@@ -53,6 +53,7 @@ from commsched.layout.setting import LayoutSetting
 from commsched.planning.cost_model import Choice
 from commsched.planning.plans import WarmupTimeline, bucket_ready_s, plan_on_rank0
 from commsched.tuning.confirmation import describe as confirmation_reason
+from commsched.tuning.confirmation import whole_buckets
 from commsched.tuning.guesses import TuningStart
 from commsched.update.base import UpdatePolicy
 from commsched.update.grad_scaling import GRAD_SCALER_REASON, GradScaling
@@ -103,9 +104,9 @@ class GradientReducer:
         self.tuning: TuningSession | None = None
         """With ``Strategy(autotune=True)``, from the end of warm-up on; or while the cost model's
         partitions are measured against whole buckets (`confirming`)."""
-        self.confirming: LayoutSetting | None = None
-        """The cost model's partitioning, where it is (or was) measured against whole buckets; see
-        [Note: confirming the choice] in `commsched.tuning.confirmation`."""
+        self.confirming: tuple[LayoutSetting, LayoutSetting] | None = None
+        """The cost model's choice and the configured buckets sent whole, where the two are (or were)
+        measured against each other; see [Note: confirming the choice] in `commsched.tuning.confirmation`."""
         self._timeline: WarmupTimeline | None = None
         """What plans for a new layout are made from, kept from warm-up."""
         self._phase = Phase.IDLE
@@ -200,6 +201,7 @@ class GradientReducer:
         result = self.warmup.finish(self.layout)
         self.choice = result.choice
         new_order = None
+        configured = self.config.layout
         if result.timeline is not None:
             if result.choice is not None:
                 self._use_partitioning(result.choice)
@@ -213,10 +215,11 @@ class GradientReducer:
             self.gating.use_recorded_reads(result.reads, self.layout)
         if self.config.tuning is not None and self._timeline is not None:
             self.tuning = self._start_tuning(result)
-        elif result.choice is not None and self.config.layout.partition_mb is not None:
+        elif result.choice is not None and self.config.layout != whole_buckets(configured):
             # Every rank knows the chosen setting, so every rank starts the same switch points.
-            self.confirming = self.config.layout
-            self.tuning = TuningSession(confirmation(self.confirming), self.groups, self.transport,
+            self.confirming = (self.config.layout, whole_buckets(configured))
+            runner_up = None if result.choice.runner_up is None else result.choice.runner_up.on(configured)
+            self.tuning = TuningSession(confirmation(*self.confirming, runner_up), self.groups, self.transport,
                                         self.config.timeout_s)
         if self.tuning is not None:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
@@ -230,10 +233,10 @@ class GradientReducer:
         reductions of the previous pass are complete and its updates applied, and
         the gradients accumulated so far move into the new buckets.
         """
-        chosen, in_use = choice.setting, self.config.layout
-        if (chosen.partition_mb, chosen.credit_mb) == (in_use.partition_mb, in_use.credit_mb):
+        chosen = choice.setting.on(self.config.layout)
+        if chosen == self.config.layout:
             return
-        self.config = self.config.with_layout(in_use.with_partitioning(chosen.partition_mb, chosen.credit_mb))
+        self.config = self.config.with_layout(chosen)
         self._relayout(self.layout.forward_order)
         logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
                     len(self.layout.partitions), choice.reason)
@@ -272,7 +275,7 @@ class GradientReducer:
         self.gating.map_reads(self.layout)
         self.plan = self._agree_on_plan()
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
-        why = (confirmation_reason(self.tuning.log, self.confirming) if self.confirming is not None
+        why = (confirmation_reason(self.tuning.log, *self.confirming) if self.confirming is not None
                else self.tuning.log.describe())
         logger.info("commsched: %s from iteration %d on (%s): %d buckets, %d partitions", setting.describe(),
                     iteration, why, len(self.layout.buckets), len(self.layout.partitions))

@@ -102,7 +102,8 @@ def autotuner(config: TuningConfig, start: TuningStart, gradient_bytes: int) -> 
     return make
 
 
-def confirmation(chosen: LayoutSetting) -> Callable[[], TuningController]:
-    """The check of the cost model's ``chosen`` partitioning against whole buckets; see
-    [Note: confirming the choice] in `commsched.tuning.confirmation`."""
-    return lambda: Confirmation(chosen)
+def confirmation(chosen: LayoutSetting, whole: LayoutSetting,
+                 runner_up: LayoutSetting | None) -> Callable[[], TuningController]:
+    """The check of the cost model's ``chosen`` setting and its ``runner_up`` against ``whole``, the
+    configured buckets sent whole; see [Note: confirming the choice] in `commsched.tuning.confirmation`."""
+    return lambda: Confirmation(chosen, whole, runner_up)

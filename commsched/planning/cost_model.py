@@ -9,8 +9,9 @@ next forward pass would wait for it. They cost too: buckets are capped at the
 partition size, so there are more, smaller collectives, each with its latency
 and its host work. Where communication hides behind compute anyway (a fast
 link, a small model), that cost is all that is left. So, at the end of warm-up,
-each candidate setting (the configured one, coarser partitions, whole buckets)
-is replayed on rank 0's measured timeline: per parameter, when its gradient
+each candidate setting (the configured one, coarser partitions, whole buckets,
+and whole buckets four times the configured size, for many hosts, where each
+collective pays a latency per hop of the ring) is replayed on rank 0's measured timeline: per parameter, when its gradient
 became ready in the backward pass; how long the forward pass took; the link's
 latency and bandwidth. The predicted cost of a candidate is how long the
 training thread would wait for communication (at the end of backward without
@@ -37,7 +38,7 @@ from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.setting import LayoutSetting
 from commsched.planning.schedule import LinkModel, simulate_schedule
-from commsched.strategy import Strategy
+from commsched.strategy import MIB, Strategy
 
 COARSER_FACTOR = 4
 """The middle candidate: partitions (and credit) this many times the configured ones."""
@@ -61,16 +62,27 @@ class Timeline:
 
 @dataclass(frozen=True)
 class Setting:
-    """A partitioning candidate: the wire unit and the credit window, in MiB (None: whole / unbounded)."""
+    """A candidate: the wire unit and the credit window, in MiB (None: whole / unbounded), and for
+    whole buckets their size (None: as configured)."""
 
     partition_mb: float | None
     credit_mb: float | None
+    bucket_cap_mb: float | None = None
 
     def describe(self) -> str:
         if self.partition_mb is None:
-            return "whole buckets"
+            return "whole buckets" + ("" if self.bucket_cap_mb is None else f" of {self.bucket_cap_mb:g} MiB, the first too")
         credit = "no credit window" if self.credit_mb is None else f"credit {self.credit_mb:g} MiB"
         return f"partitions of {self.partition_mb:g} MiB, {credit}"
+
+    def on(self, layout: LayoutSetting) -> LayoutSetting:
+        """``layout`` with this candidate's partitioning, and where it has a bucket size, every bucket
+        (the first too) of that size: as ``DistributedDataParallel(bucket_cap_mb=...)`` lays them out,
+        one collective fewer than a small first bucket, which is what many hosts pay for."""
+        changed = layout.with_partitioning(self.partition_mb, self.credit_mb)
+        if self.bucket_cap_mb is None:
+            return changed
+        return dataclasses.replace(changed, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.bucket_cap_mb)
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,10 @@ class Choice:
 
     setting: Setting
     predictions: tuple[Prediction, ...]
+    runner_up: Setting | None = None
+    """The next cheapest prediction that sends partitions or larger buckets (None: there is none):
+    measured beside the choice, since the predictions may rank the two wrongly
+    ([Note: confirming the choice] in `commsched.tuning.confirmation`)."""
 
     @property
     def reason(self) -> str:
@@ -126,13 +142,18 @@ def keeps_partitions(partitions_s: float, whole_s: float) -> bool:
     return partitions_s < whole_s * (1 - CONFIRMATION_MARGIN)
 
 
-def candidates(configured: Setting) -> list[Setting]:
-    """The configured setting, a coarser one, and whole buckets (each once)."""
+def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0) -> list[Setting]:
+    """The configured setting, a coarser one, whole buckets (each once), and whole buckets
+    `COARSER_FACTOR` times the configured ``bucket_cap_mb`` where the gradients (``gradient_bytes``)
+    fill more than one configured bucket: at many hosts each collective costs a latency per hop of
+    the ring, and fewer, larger buckets are what torch DDP users tune for it."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
         found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
     found.append(Setting(None, None))
+    if bucket_cap_mb is not None and gradient_bytes > bucket_cap_mb * MIB:
+        found.append(Setting(None, None, bucket_cap_mb * COARSER_FACTOR))
     unique: list[Setting] = []
     for setting in found:
         if setting not in unique:
@@ -141,8 +162,8 @@ def candidates(configured: Setting) -> list[Setting]:
 
 
 def applied(strategy: Strategy, setting: Setting) -> Strategy:
-    """``strategy`` with the partitioning of ``setting``."""
-    return dataclasses.replace(strategy, partition_mb=setting.partition_mb, credit_mb=setting.credit_mb)
+    """``strategy`` with the partitioning of ``setting`` (and its bucket size, where it has one)."""
+    return setting.on(LayoutSetting.of(strategy)).applied(strategy)
 
 
 def predict(
@@ -155,7 +176,7 @@ def predict(
 ) -> Prediction:
     """Replay one iteration of ``layout`` with the partitioning of ``setting`` on ``timeline``;
     see [Note: the cost model]."""
-    candidate = layout.with_partitioning(setting.partition_mb, setting.credit_mb)
+    candidate = setting.on(layout)
     bucket_slots, priorities = bucket_layout(params, forward_order, candidate.bucket_size_limits_bytes())
     ready = timeline.slot_ready_s
     end_of_backward = max(ready, default=0.0)
@@ -229,8 +250,11 @@ def choose(
     """The cheapest candidate around ``layout``'s partitioning by predicted cost; a tie goes to fewer
     collectives. ``priority``: partitions go most urgent first (`Strategy.priority`)."""
     configured = Setting(layout.partition_mb, layout.credit_mb)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params)
     predictions = tuple(
-        predict(setting, params, forward_order, layout, priority, timeline) for setting in candidates(configured)
+        predict(setting, params, forward_order, layout, priority, timeline)
+        for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes)
     )
-    best = min(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
-    return Choice(best.setting, predictions)
+    ranked = sorted(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
+    others = [p.setting for p in ranked[1:] if p.setting != Setting(None, None)]
+    return Choice(ranked[0].setting, predictions, others[0] if others else None)

@@ -88,18 +88,24 @@ def choose_on_rank0(
     if calibration.link is None:
         raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
     choice = timeline = None
-    message = torch.zeros(2, dtype=torch.float64)
+    message = torch.zeros(7, dtype=torch.float64)
     if dist.get_rank(control_group) == 0:
         timeline = Timeline(warmup.slot_ready_s, warmup.forward_s, calibration.link, calibration.transport_cpu_share)
         choice = choose(setting, priority, layout.params, layout.forward_order, timeline)
-        message = torch.tensor([_encode_mb(choice.setting.partition_mb), _encode_mb(choice.setting.credit_mb)],
+        runner_up = choice.runner_up or Setting(None, None)
+        message = torch.tensor([*_encode(choice.setting), *_encode(runner_up), float(choice.runner_up is not None)],
                                dtype=torch.float64)
     if dist.get_world_size(control_group) > 1:
         work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
-        choice = Choice(Setting(_decode_mb(message[0]), _decode_mb(message[1])), ())
+        runner_up = Setting(*(_decode_mb(v) for v in message[3:6])) if message[6] > 0 else None
+        choice = Choice(Setting(*(_decode_mb(v) for v in message[:3])), (), runner_up)
     return choice, timeline
+
+
+def _encode(setting: Setting) -> list[float]:
+    return [_encode_mb(v) for v in (setting.partition_mb, setting.credit_mb, setting.bucket_cap_mb)]
 
 
 def _encode_mb(value: float | None) -> float:
@@ -108,37 +114,6 @@ def _encode_mb(value: float | None) -> float:
 
 def _decode_mb(value: torch.Tensor) -> float | None:
     return None if float(value) < 0 else float(value)
-
-
-def link_sets_the_pace(
-    partitions: Sequence[Partition], last_ready_s: float, forward_s: float, link: LinkModel | None
-) -> bool:
-    """Whether reducing every partition on ``link`` takes at least as long as the
-    computation of an iteration (the backward pass so far and the forward pass).
-
-    False without a measured link: the cautious plan (see `robust_plan`).
-    """
-    if link is None:
-        return False
-    wire_s = sum(link.duration_s(p.nbytes) for p in partitions)
-    return wire_s >= last_ready_s + forward_s
-
-
-def pacing_link(warmup: WarmupTimeline) -> LinkModel | None:
-    """The link `link_sets_the_pace` judges by: idle, where the cost model measured it;
-    otherwise as warm-up saw it (`commsched.engine.ready_times.ReadyTimeProfile.loaded_bytes_per_s`).
-
-    Without the cost model (``Strategy(adaptive=False)``, parameter servers) the
-    warm-up's fit is all there is. For parameter servers it is the right
-    measure anyway: a block's "transfer" is its push, the other workers'
-    pushes and its pull through the busiest server's link, which no
-    all-reduce on an idle link measures.
-    """
-    if warmup.idle_link is not None:
-        return warmup.idle_link
-    if warmup.loaded_bytes_per_s is None:
-        return None
-    return LinkModel(latency_s=warmup.latency_s, bytes_per_s=warmup.loaded_bytes_per_s)
 
 
 def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
@@ -156,9 +131,7 @@ def plan_order(
     """Rank 0's plan: priority scheduling simulated on its timeline, hardened by `robust_plan`."""
     link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=planning_bytes_per_s(warmup))
     schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
-    last_ready = max(bucket_ready, default=0.0)
-    pace = link_sets_the_pace(partitions, last_ready, warmup.forward_s, pacing_link(warmup))
-    return robust_plan(partitions, schedule, last_ready, pace)
+    return robust_plan(partitions, schedule, max(bucket_ready, default=0.0))
 
 
 def plan_on_rank0(
@@ -176,9 +149,8 @@ def plan_on_rank0(
     the measured latency and the bandwidth seen while training
     (`planning_bytes_per_s`); if the link is
     faster than that, non-urgent partitions merely go a little later, never
-    ahead of urgent ones. Where the link is slower than the computation
-    (`link_sets_the_pace` on `pacing_link`), the plan keeps the link busy to the end of the
-    backward pass instead (see `robust_plan`).
+    ahead of urgent ones; the plan keeps the link busy to the end of the
+    backward pass (see `robust_plan`).
     """
     plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes), dtype=torch.int64)
     if dist.get_world_size(group) > 1:

@@ -48,11 +48,13 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     literal = dataclasses.replace(strategy, adaptive=False)
     if not strategy.cost_model_picks_partitioning or strategy.autotune or cluster.workers < 2:
         return literal
-    chosen = applied(literal, cost_model_choice(strategy, profile, cluster).setting)
-    if chosen.partition_mb is None:
+    choice = cost_model_choice(strategy, profile, cluster)
+    chosen = applied(literal, choice.setting)
+    whole = dataclasses.replace(literal, partition_mb=None, credit_mb=None)
+    if chosen == whole:
         return chosen
-    # The run then measures the partitions against whole buckets and keeps the faster
-    # ([Note: confirming the choice]); here the simulator measures.
-    whole = dataclasses.replace(chosen, partition_mb=None, credit_mb=None)
-    chosen_s, whole_s = (simulate(profile, cluster, s).iteration_s for s in (chosen, whole))
-    return chosen if keeps_partitions(chosen_s, whole_s) else whole
+    # The run then measures its choice and the runner-up against the configured buckets sent
+    # whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
+    candidates = [chosen] + ([applied(literal, choice.runner_up)] if choice.runner_up is not None else [])
+    fastest_s, fastest = min(((simulate(profile, cluster, s).iteration_s, i) for i, s in enumerate(candidates)))
+    return candidates[fastest] if keeps_partitions(fastest_s, simulate(profile, cluster, whole).iteration_s) else whole

@@ -1,4 +1,4 @@
-"""Rank 0's check of the cost model's choice on measured iterations: partitions against whole buckets.
+"""Rank 0's check of the cost model's choice on measured iterations, against the configured buckets sent whole.
 
 [Note: confirming the choice] The cost model predicts from one warm-up
 timeline and a link measured idle. Partitions pay only where it predicts
@@ -7,14 +7,15 @@ a latency per hop of the ring, which an all-reduce timed among two sizes on
 an idle link may understate several times over (at 8 hosts on a 600 Mbit/s
 link, 4 MiB partitions were predicted to leave 35 ms of waiting and left 92,
 for an iteration 28% slower than torch DDP's). A wrong choice must never
-last: so when the cost model chooses partitions, the first iterations after
-warm-up measure them against whole buckets, interleaved (`ROUNDS` rounds of
+last: so when the cost model chooses partitions (or larger buckets), the
+first iterations after warm-up measure them against the configured buckets
+sent whole, as torch DDP sends its own, interleaved (`ROUNDS` rounds of
 each, `TRIAL_ITERATIONS` measured iterations per trial after one to settle
 on the new layout), and the partitions stay only if their median iteration
 is shorter by more than `CONFIRMATION_MARGIN` (`keeps_partitions` in
 `commsched.planning.cost_model`). Otherwise whole buckets stay: they issue
-the fewest collectives, as torch DDP does, and a tie going to them makes the
-same cell choose the same way run after run.
+the fewest collectives at the configured size, as torch DDP does, and a tie
+going to them makes the same cell choose the same way run after run.
 
 The trials run on the auto-tuner's switch points (`commsched.engine.tuning`):
 rank 0 measures and decides, every rank applies the same decision.
@@ -31,28 +32,33 @@ from commsched.tuning.decision import Decision, Phase
 from commsched.tuning.log import TuningLog
 
 ROUNDS = 2
-"""Trials of each setting, interleaved: a slow spell of the hosts falls on both alike."""
+"""Trials of each setting, interleaved: a slow spell of the hosts falls on all alike."""
 
 TRIAL_ITERATIONS = 3
 """Measured iterations per trial (after `SETTLE_ITERATIONS`)."""
 
-LENGTH = 2 * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
-"""Iterations from the end of warm-up to the verdict."""
+MAX_SETTINGS = 3
+"""The cost model's choice, its runner-up and the configured buckets sent whole."""
+
+LENGTH = MAX_SETTINGS * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
+"""Most iterations from the end of warm-up to the verdict."""
 
 
 class Confirmation:
     """Rank 0's side, in the shape of `commsched.tuning.controller.Controller`: trials of the cost
-    model's partitioning and of whole buckets, interleaved, then the faster for good."""
+    model's choice, its runner-up, and ``whole`` (the configured buckets, sent whole), interleaved;
+    then the fastest for good."""
 
-    def __init__(self, chosen: LayoutSetting, rounds: int = ROUNDS, trial_iterations: int = TRIAL_ITERATIONS):
-        if chosen.partition_mb is None:
-            raise ValueError("there is nothing to confirm: the cost model chose whole buckets")
-        self.chosen = chosen
-        self.whole = whole_buckets(chosen)
-        self._trials = [self.chosen, self.whole] * rounds
+    def __init__(self, chosen: LayoutSetting, whole: LayoutSetting, runner_up: LayoutSetting | None = None,
+                 rounds: int = ROUNDS, trial_iterations: int = TRIAL_ITERATIONS):
+        if chosen == whole:
+            raise ValueError("there is nothing to confirm: the cost model chose the configured buckets, whole")
+        self.candidates = [chosen] + ([runner_up] if runner_up not in (None, chosen, whole) else [])
+        self.whole = whole
+        self._trials = [*self.candidates, whole] * rounds
         self._trial_iterations = trial_iterations
         self._next = 0
-        self._samples: dict[LayoutSetting, list[float]] = {self.chosen: [], self.whole: []}
+        self._samples: dict[LayoutSetting, list[float]] = {s: [] for s in (*self.candidates, whole)}
         self._interval: list[float] = []
         self._last: tuple[int, float] | None = None
         self._measure_from = 0
@@ -79,17 +85,20 @@ class Confirmation:
             return Decision(Phase.TUNING, self._current, SETTLE_ITERATIONS + self._trial_iterations,
                             trial=self._next, trials=len(self._trials), ended_ms=ended_ms)
         self._current = self.verdict()
-        chosen_ms, whole_ms = (_median_ms(self._samples[s]) for s in (self.chosen, self.whole))
+        fastest_ms = min((m for m in (_median_ms(self._samples[s]) for s in self.candidates) if m is not None),
+                         default=None)
         return Decision(Phase.TUNED, self._current, 0, ended_ms=ended_ms, trials=len(self._trials),
-                        window_ms=chosen_ms, baseline_ms=whole_ms)
+                        window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]))
 
     def verdict(self) -> LayoutSetting:
-        """The cost model's partitioning if measured faster than whole buckets by
-        `CONFIRMATION_MARGIN`, else whole buckets."""
-        chosen, whole = self._samples[self.chosen], self._samples[self.whole]
-        if not chosen or not whole:
+        """The fastest candidate by median iteration if it beats ``whole`` by `CONFIRMATION_MARGIN`
+        (`keeps_partitions`), else ``whole``."""
+        measured = [(statistics.median(self._samples[s]), s) for s in self.candidates if self._samples[s]]
+        whole = self._samples[self.whole]
+        if not measured or not whole:
             return self.whole
-        return self.chosen if keeps_partitions(statistics.median(chosen), statistics.median(whole)) else self.whole
+        fastest_s, fastest = min(measured, key=lambda pair: pair[0])
+        return fastest if keeps_partitions(fastest_s, statistics.median(whole)) else self.whole
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
@@ -97,7 +106,7 @@ class Confirmation:
 
 
 def whole_buckets(setting: LayoutSetting) -> LayoutSetting:
-    """``setting`` without partitions or credit window."""
+    """``setting`` without partitions or credit window (its buckets, sent whole)."""
     return setting.with_partitioning(None, None)
 
 
@@ -105,20 +114,36 @@ def _median_ms(seconds: list[float]) -> float | None:
     return statistics.median(seconds) * 1e3 if seconds else None
 
 
-def describe(log: TuningLog, chosen: LayoutSetting) -> str:
-    """Why the partitioning in use is the one in use (``chosen``: the cost model's), from ``log``."""
-    partitions = Setting(chosen.partition_mb, chosen.credit_mb).describe()
+def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str:
+    """Why the setting in use is the one in use (``chosen``: the cost model's; ``whole``: the configured
+    buckets sent whole), from ``log``."""
+    partitions = describe_choice(chosen)
     if log.phase is Phase.TUNING:
-        return (f"the cost model chose {partitions}; measuring it against whole buckets "
+        return (f"the cost model chose {partitions}; measuring it against the configured buckets sent whole "
                 f"(trial {log.trial} of {log.trials})")
     if log.phase is Phase.STOPPED:
-        return (f"the cost model chose {partitions}; its check against whole buckets stopped after an error "
-                "on rank 0 (see its log), and whole buckets stay")
+        return (f"the cost model chose {partitions}; its check against the configured buckets stopped after an "
+                "error on rank 0 (see its log), and they stay, sent whole")
+    trials: dict[LayoutSetting, list[float]] = {}
+    for trial in (log.studies[-1] if log.studies else []):
+        trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
+    measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms" for setting, ms in trials.items())
 
     def ms(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f} ms"
 
-    figures = f"median iteration {ms(log.window_ms)} against {ms(log.baseline_ms)} with whole buckets"
     if log.current == chosen:
-        return f"the cost model chose {partitions}, kept: {figures}"
-    return f"the cost model chose {partitions}, measured no faster than whole buckets, which stay ({figures})"
+        verdict = "kept"
+    elif log.current == whole:
+        verdict = "measured no faster than the configured buckets sent whole, which stay"
+    else:
+        verdict = f"measured slower than its runner-up, {describe_choice(log.current)}, which is kept"
+    return (f"the cost model chose {partitions}, {verdict}: median iteration {ms(log.window_ms)} at best against "
+            f"{ms(log.baseline_ms)} with the configured buckets whole (per setting: {measured})")
+
+
+def describe_choice(chosen: LayoutSetting) -> str:
+    """``partitions of 1 MiB, credit 4 MiB`` or ``whole buckets of 100 MiB``."""
+    if chosen.partition_mb is None:
+        return Setting(None, None, chosen.bucket_cap_mb).describe()
+    return Setting(chosen.partition_mb, chosen.credit_mb).describe()

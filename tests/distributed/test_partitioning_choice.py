@@ -72,7 +72,7 @@ def case_partitions_measured_against_whole_buckets(rank, world_size, optimizer_n
         model = ParityNet()
         reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
         model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), TINY)
-        trials = confirmation.LENGTH
+        trials = 2 * confirmation.ROUNDS * (SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS)  # no runner-up
         used = []
         for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + trials + 3)):
             local_step(model, optimizer, x, y, iteration, rank)

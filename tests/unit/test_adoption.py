@@ -37,8 +37,10 @@ def test_a_slow_link_with_two_workers_keeps_the_configured_partitions():
 
 
 def test_the_choice_lists_every_candidate_with_a_reason():
-    choice = cost_model_choice(Strategy(), balanced_profile(), Cluster(workers=8, gbit_s=10))
-    assert [p.setting for p in choice.predictions] == candidates(Setting(1.0, 4.0))
+    profile = balanced_profile()
+    choice = cost_model_choice(Strategy(), profile, Cluster(workers=8, gbit_s=10))
+    assert [p.setting for p in choice.predictions] == candidates(
+        Setting(1.0, 4.0), Strategy().bucket_cap_mb, profile.gradient_bytes)
     assert choice.setting in {p.setting for p in choice.predictions}
     assert "predicted" in choice.reason
 

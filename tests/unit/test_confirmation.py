@@ -25,13 +25,14 @@ from commsched.tuning.log import TuningLog
 
 CHOSEN = LayoutSetting(1.0, 4.0, 25.0, 1.0, True)
 WHOLE = whole_buckets(CHOSEN)
-TRIALS_LENGTH = LENGTH
+TRIALS_LENGTH = 2 * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
+"""Without a runner-up: the choice and whole buckets."""
 
 
 def run(cost: Callable[[LayoutSetting, int], float], iterations: int = TRIALS_LENGTH + 20, **fields):
     """Drive a confirmation from the end of warm-up; ``cost(setting, iteration)`` in seconds.
     Returns the log and each iteration's setting."""
-    controller, log = Confirmation(CHOSEN, **fields), TuningLog()
+    controller, log = Confirmation(CHOSEN, WHOLE, **fields), TuningLog()
     iteration, clock, used = WARMUP_ITERATIONS, 0.0, []
     controller.pass_started(iteration, clock)
     log.apply(iteration, controller.decide(iteration))
@@ -68,7 +69,7 @@ def test_the_verdict(chosen_ms, whole_ms, kept):
     log, used = run(fixed(chosen_ms / 1e3, whole_ms / 1e3))
     assert log.current == kept and used[-1] == kept
     assert log.window_ms == pytest.approx(chosen_ms) and log.baseline_ms == pytest.approx(whole_ms)
-    text = confirmation.describe(log, CHOSEN)
+    text = confirmation.describe(log, CHOSEN, WHOLE)
     assert ("kept" in text) == (kept == CHOSEN), text
     assert f"{chosen_ms:.2f} ms" in text and f"{whole_ms:.2f} ms" in text, text
 
@@ -103,12 +104,39 @@ def test_noise_does_not_flip_a_clear_verdict(seed, gain):
 
 def test_whole_buckets_need_no_confirmation():
     with pytest.raises(ValueError, match="nothing to confirm"):
-        Confirmation(WHOLE)
+        Confirmation(WHOLE, WHOLE)
 
 
 def test_a_failure_keeps_whole_buckets_and_ends_the_switch_points():
-    decision = Confirmation(CHOSEN).stop()
+    decision = Confirmation(CHOSEN, WHOLE).stop()
     assert decision.setting == WHOLE and decision.next_in == 0 and decision.phase is Phase.STOPPED
     log = TuningLog()
     log.apply(WARMUP_ITERATIONS, decision)
-    assert "stopped" in confirmation.describe(log, CHOSEN)
+    assert "stopped" in confirmation.describe(log, CHOSEN, WHOLE)
+
+
+RUNNER_UP = LayoutSetting(4.0, 16.0, 25.0, 1.0, True)
+
+
+@pytest.mark.parametrize(("times_ms", "kept"), [
+    ({CHOSEN: 110.0, RUNNER_UP: 100.0, WHOLE: 120.0}, RUNNER_UP),  # the predictions ranked them wrongly
+    ({CHOSEN: 100.0, RUNNER_UP: 110.0, WHOLE: 120.0}, CHOSEN),
+    ({CHOSEN: 119.0, RUNNER_UP: 118.0, WHOLE: 120.0}, WHOLE),
+])
+def test_the_runner_up_is_measured_too(times_ms, kept):
+    controller, log = Confirmation(CHOSEN, WHOLE, RUNNER_UP), TuningLog()
+    iteration, clock, seen = WARMUP_ITERATIONS, 0.0, []
+    controller.pass_started(iteration, clock)
+    log.apply(iteration, controller.decide(iteration))
+    while log.next_switch is not None:
+        seen.append(log.current)
+        clock += times_ms[log.current] / 1e3
+        iteration += 1
+        controller.pass_started(iteration, clock)
+        if log.next_switch == iteration:
+            log.apply(iteration, controller.decide(iteration))
+    assert len(seen) == LENGTH and set(seen) == {CHOSEN, RUNNER_UP, WHOLE}
+    assert log.current == kept
+    text = confirmation.describe(log, CHOSEN, WHOLE)
+    assert all(f"{ms:.2f} ms" in text for ms in times_ms.values()), text
+    assert ("runner-up" in text) == (kept == RUNNER_UP), text

@@ -9,7 +9,7 @@ import torch
 from commsched.layout.setting import LayoutSetting
 from commsched.planning.cost_model import Setting, Timeline, candidates, choose
 from commsched.planning.schedule import LinkModel
-from commsched.strategy import Strategy
+from commsched.strategy import MIB, Strategy
 
 CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
 WHOLE = Setting(None, None)
@@ -38,6 +38,24 @@ def test_candidates_are_configured_coarser_and_whole_buckets_once():
     assert candidates(WHOLE) == [WHOLE]
 
 
+def test_larger_buckets_are_a_candidate_where_the_gradients_fill_more_than_one():
+    assert candidates(CONFIGURED, 25.0, 26 * MIB)[-1] == Setting(None, None, 100.0)
+    assert candidates(WHOLE, 25.0, 26 * MIB) == [WHOLE, Setting(None, None, 100.0)]
+    assert candidates(CONFIGURED, 25.0, 25 * MIB) == candidates(CONFIGURED)
+
+
+def test_many_hosts_get_larger_buckets():
+    """At 1024 hosts a ring all-reduce pays 2046 hops of 25 us, 51 ms per collective: 64 MiB of
+    gradients in 25 MiB buckets cost three such latencies, in 100 MiB buckets one (torch DDP users
+    raise bucket_cap_mb for this)."""
+    params = layers(count=64)
+    ring = LinkModel(latency_s=2046 * 25e-6, bytes_per_s=12.5e9)
+    for overlap in (True, False):
+        choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=ring), overlap=overlap)
+        assert choice.setting == Setting(None, None, 100.0), choice.reason
+        assert "whole buckets of 100 MiB, the first too" in choice.reason
+
+
 def test_a_fast_link_gets_fewer_collectives():
     """Communication hides behind compute anyway: fewer collectives cost less. (Whole
     buckets put the first layers' gradients into one large bucket that the next
@@ -48,7 +66,7 @@ def test_a_fast_link_gets_fewer_collectives():
         for overlap in (True, False):
             choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=overlap)
             assert choice.setting == expected, choice.reason
-            assert {p.setting for p in choice.predictions} == set(candidates(CONFIGURED))
+            assert {p.setting for p in choice.predictions} == set(candidates(CONFIGURED, 25.0, 8 * MIB))
 
 
 def test_a_link_as_slow_as_compute_keeps_the_partitions():
