@@ -1,0 +1,87 @@
+"""Is commsched's default ever slower than torch DDP at its best bucket size? The simulator, 2-1024 workers.
+
+    .venv/bin/python benchmarks/default_vs_ddp.py
+    .venv/bin/python benchmarks/default_vs_ddp.py --workers 8 64 --gbit 10 --algorithm tree --json results/x.json
+
+For each profile (the committed VGG16 and ResNet-50 ones, their compute scaled to
+an accelerator's, and GPT-2 small from its FLOPs; `commsched.bench.emulated`),
+number of workers, link rate and per-hop latency, the simulator times torch DDP
+at each bucket size of `DDP_BUCKETS_MB` and commsched's default `Strategy()` as
+a run adopts it (`commsched.simulator.adoption.as_run`: the cost model's choice,
+kept only if the simulator finds it faster than whole buckets, as a run measures).
+Printed: per profile, the worst ratio of commsched's time to the best DDP's over
+every cell, and the cells where it is above 1; with ``--json``, every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+from commsched.bench.emulated import load_profile
+from commsched.profiling.model import scaled_compute
+from commsched.simulator import Cluster, DDPConfig, bound_s, simulate
+from commsched.simulator.adoption import as_run
+from commsched.strategy import Strategy
+
+DDP_BUCKETS_MB = (None, 1.0, 5.0, 25.0, 100.0)
+"""torch DDP's default (25 MiB, the first 1 MiB) and each explicit ``bucket_cap_mb``."""
+
+PROFILES = {"vgg16": 0.0810, "resnet50": 0.1607, "gpt2-small": 1.0}
+"""Profile and compute scale: the CPU profiles scaled as in docs/simulator.md (to one GPU's time at batch 4
+per worker, by published throughput); GPT-2 small is already an accelerator's."""
+
+
+def cells(workers: list[int], gbits: list[float], latencies_us: list[float], algorithm: str):
+    return itertools.product(workers, gbits, latencies_us, [algorithm])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--gbit", type=float, nargs="+", default=[1.0, 10.0, 25.0, 100.0])
+    parser.add_argument("--latency-us", type=float, nargs="+", default=[5.0, 25.0])
+    parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    parser.add_argument("--json", type=Path, help="write every cell here")
+    args = parser.parse_args()
+    rows = []
+    for name in args.profiles:
+        profile = scaled_compute(load_profile(name), PROFILES[name]) if PROFILES[name] != 1 else load_profile(name)
+        worst = None
+        for workers, gbit, latency_us, algorithm in cells(args.workers, args.gbit, args.latency_us, args.algorithm):
+            cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm)
+            ddp = {mb: simulate(profile, cluster, DDPConfig.like_torch(mb)).iteration_s for mb in DDP_BUCKETS_MB}
+            best_mb = min(ddp, key=ddp.get)
+            adopted = as_run(Strategy(), profile, cluster)
+            ours = simulate(profile, cluster, adopted).iteration_s
+            row = {"profile": name, "workers": workers, "gbit": gbit, "latency_us": latency_us,
+                   "algorithm": algorithm, "commsched_ms": ours * 1e3, "best_ddp_ms": ddp[best_mb] * 1e3,
+                   "best_ddp_bucket_mb": best_mb, "ddp_default_ms": ddp[None] * 1e3,
+                   "bound_ms": bound_s(profile, cluster) * 1e3, "ratio": ours / ddp[best_mb],
+                   "partition_mb": adopted.partition_mb, "credit_mb": adopted.credit_mb,
+                   "bucket_cap_mb": adopted.bucket_cap_mb}
+            rows.append(row)
+            if worst is None or row["ratio"] > worst["ratio"]:
+                worst = row
+        slower = [r for r in rows if r["profile"] == name and r["ratio"] > 1.0 + 1e-9]
+        cells_of = sum(r["profile"] == name for r in rows)
+        print(f"{name}: {cells_of} cells; commsched / best DDP: worst {worst['ratio']:.3f} "
+              f"({worst['workers']} workers, {worst['gbit']:g} Gbit/s, {worst['latency_us']:g} us); "
+              f"slower than the best DDP in {len(slower)} cells; median "
+              f"{sorted(r['ratio'] for r in rows if r['profile'] == name)[cells_of // 2]:.3f}")
+        for r in slower:
+            partitions = (f"whole buckets of {r['bucket_cap_mb']:g} MiB" if r["partition_mb"] is None
+                          else f"{r['partition_mb']:g} MiB partitions")
+            print(f"  {r['workers']:5d} workers {r['gbit']:6g} Gbit/s {r['latency_us']:4g} us: "
+                  f"{r['commsched_ms']:.2f} ms ({partitions}) vs DDP {r['best_ddp_ms']:.2f} ms "
+                  f"(bucket {r['best_ddp_bucket_mb'] or 'default'}): {r['ratio']:.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
