@@ -10,8 +10,9 @@ partition size, so there are more, smaller collectives, each with its latency
 and its host work. Where communication hides behind compute anyway (a fast
 link, a small model), that cost is all that is left. So, at the end of warm-up,
 each candidate setting (the configured one, coarser partitions, whole buckets,
-and whole buckets four times the configured size, for many hosts, where each
-collective pays a latency per hop of the ring) is replayed on rank 0's measured timeline: per parameter, when its gradient
+and for many hosts, where each collective pays a latency per hop of the ring,
+whole buckets without the small first one, and four times the configured size)
+is replayed on rank 0's measured timeline: per parameter, when its gradient
 became ready in the backward pass; how long the forward pass took; the link's
 latency and bandwidth. The predicted cost of a candidate is how long the
 training thread would wait for communication (at the end of backward without
@@ -142,16 +143,21 @@ def keeps_partitions(partitions_s: float, whole_s: float) -> bool:
     return partitions_s < whole_s * (1 - CONFIRMATION_MARGIN)
 
 
-def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0) -> list[Setting]:
-    """The configured setting, a coarser one, whole buckets (each once), and whole buckets
-    `COARSER_FACTOR` times the configured ``bucket_cap_mb`` where the gradients (``gradient_bytes``)
-    fill more than one configured bucket: at many hosts each collective costs a latency per hop of
-    the ring, and fewer, larger buckets are what torch DDP users tune for it."""
+def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,
+               first_bucket_mb: float | None = None) -> list[Setting]:
+    """The configured setting, a coarser one, whole buckets (each once); where the gradients
+    (``gradient_bytes``) fill more than the configured first bucket (``first_bucket_mb``), whole
+    buckets of the configured ``bucket_cap_mb``, the first one too; and where they fill more than
+    one bucket, whole buckets `COARSER_FACTOR` times as large. At many hosts each collective costs a
+    latency per hop of the ring: fewer, larger buckets are what torch DDP users tune for it."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
         found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
     found.append(Setting(None, None))
+    if bucket_cap_mb is not None and first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb \
+            and gradient_bytes > first_bucket_mb * MIB:
+        found.append(Setting(None, None, bucket_cap_mb))
     if bucket_cap_mb is not None and gradient_bytes > bucket_cap_mb * MIB:
         found.append(Setting(None, None, bucket_cap_mb * COARSER_FACTOR))
     unique: list[Setting] = []
@@ -253,7 +259,7 @@ def choose(
     gradient_bytes = sum(p.numel() * p.element_size() for p in params)
     predictions = tuple(
         predict(setting, params, forward_order, layout, priority, timeline)
-        for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes)
+        for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes, layout.first_bucket_mb)
     )
     ranked = sorted(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
     others = [p.setting for p in ranked[1:] if p.setting != Setting(None, None)]

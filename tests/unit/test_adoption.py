@@ -40,7 +40,7 @@ def test_the_choice_lists_every_candidate_with_a_reason():
     profile = balanced_profile()
     choice = cost_model_choice(Strategy(), profile, Cluster(workers=8, gbit_s=10))
     assert [p.setting for p in choice.predictions] == candidates(
-        Setting(1.0, 4.0), Strategy().bucket_cap_mb, profile.gradient_bytes)
+        Setting(1.0, 4.0), Strategy().bucket_cap_mb, profile.gradient_bytes, Strategy().first_bucket_mb)
     assert choice.setting in {p.setting for p in choice.predictions}
     assert "predicted" in choice.reason
 

@@ -42,6 +42,10 @@ def test_larger_buckets_are_a_candidate_where_the_gradients_fill_more_than_one()
     assert candidates(CONFIGURED, 25.0, 26 * MIB)[-1] == Setting(None, None, 100.0)
     assert candidates(WHOLE, 25.0, 26 * MIB) == [WHOLE, Setting(None, None, 100.0)]
     assert candidates(CONFIGURED, 25.0, 25 * MIB) == candidates(CONFIGURED)
+    # without the small first bucket, where the gradients fill more than it
+    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0) == [WHOLE, Setting(None, None, 25.0), Setting(None, None, 100.0)]
+    assert candidates(WHOLE, 25.0, 1 * MIB, 1.0) == [WHOLE]
+    assert candidates(WHOLE, 25.0, 26 * MIB, 25.0) == [WHOLE, Setting(None, None, 100.0)]
 
 
 def test_many_hosts_get_larger_buckets():
@@ -57,16 +61,17 @@ def test_many_hosts_get_larger_buckets():
 
 
 def test_a_fast_link_gets_fewer_collectives():
-    """Communication hides behind compute anyway: fewer collectives cost less. (Whole
-    buckets put the first layers' gradients into one large bucket that the next
-    forward pass waits for, so on a merely fast link coarser partitions win.)"""
+    """Communication hides behind compute anyway: fewer collectives cost less, down to one
+    bucket without the small first one. (Whole buckets put the first layers' gradients into one
+    large bucket that the next forward pass waits for, so on a merely fast link coarser
+    partitions win.)"""
     params = layers()
-    for bytes_per_s, expected in ((5e9, Setting(4.0, 16.0)), (1e12, WHOLE)):
+    for bytes_per_s, expected in ((5e9, Setting(4.0, 16.0)), (1e12, Setting(None, None, 25.0))):
         link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
         for overlap in (True, False):
             choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=overlap)
             assert choice.setting == expected, choice.reason
-            assert {p.setting for p in choice.predictions} == set(candidates(CONFIGURED, 25.0, 8 * MIB))
+            assert {p.setting for p in choice.predictions} == set(candidates(CONFIGURED, 25.0, 8 * MIB, 1.0))
 
 
 def test_a_link_as_slow_as_compute_keeps_the_partitions():
@@ -95,7 +100,8 @@ def test_the_reason_names_every_prediction():
     params = layers()
     choice = decide(params, timeline(params, 0.2, 0.1, LinkModel(2e-4, 1e12)))
     reason = choice.reason
-    assert reason.startswith("whole buckets: predicted ") and "for 2 collectives + " in reason
+    assert reason.startswith("whole buckets of 25 MiB, the first too: predicted ") and "for 1 collectives + " in reason
+    assert "whole buckets: " in reason
     assert "partitions of 1 MiB, credit 4 MiB: " in reason and "partitions of 4 MiB, credit 16 MiB: " in reason
 
 
