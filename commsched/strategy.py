@@ -172,10 +172,12 @@ class Strategy:
     ``credit_mb``, of partitions four times as large, and of whole buckets on
     its own timeline and the measured link, and every rank uses the cheapest
     (`commsched.status` says which and why). Where communication hides behind
-    compute anyway, fewer and larger collectives cost less. Partitions chosen
-    so are then measured against whole buckets on the next 16 iterations, in
-    turn, and stay only if measurably faster (see [Note: confirming the
-    choice] in `commsched.tuning.confirmation`). ``False`` keeps
+    compute anyway, fewer and larger collectives cost less; for many hosts,
+    whole buckets without the small first one, or four times as large, are
+    candidates too. Unless it chose the configured buckets sent whole, its
+    choice and runner-up are then measured against them on the next 16-24
+    iterations, in turn, and kept only if measurably faster (see [Note:
+    confirming the choice] in `commsched.tuning.confirmation`). ``False`` keeps
     exactly the configured values. Applies to the all-reduce backend with
     ``priority=True``; the parameter-server backend keeps its blocks."""
 
