@@ -391,6 +391,14 @@ class Strategy:
         return self.adaptive and self.priority and not self.parameter_server
 
     @property
+    def measures_its_choice(self) -> bool:
+        """Whether a run measures the cost model's choice against the configured buckets sent whole
+        after warm-up (see ``adaptive``): not with the auto-tuner, which measures anyway, nor with
+        sharded optimizer state, where each change of buckets gathers the whole state on every rank
+        for a moment, as much memory as sharding saves."""
+        return self.cost_model_picks_partitioning and not self.autotune and not self.shards_optimizer
+
+    @property
     def bucket_size_limits_bytes(self) -> list[int]:
         """Bucket size limits in the form `compute_bucket_assignment_by_size` takes.
 

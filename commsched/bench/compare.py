@@ -235,8 +235,7 @@ def warmup_of(config: ComparisonConfig) -> int:
     cost model choose, at least until that choice has been measured against whole buckets
     (`commsched.tuning.confirmation`), so that the rounds measure the setting a run keeps, not its
     trials. The same for every system, so that their final losses compare."""
-    if any(isinstance(s, Commsched) and s.strategy.cost_model_picks_partitioning and not s.strategy.autotune
-           for s in config.systems):
+    if any(isinstance(s, Commsched) and s.strategy.measures_its_choice for s in config.systems):
         return max(config.warmup, SETTLED_AFTER)
     return config.warmup
 

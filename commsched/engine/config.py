@@ -32,6 +32,9 @@ class RunConfig:
     applies: the all-reduce backend with priority)."""
     tuning: TuningConfig | None
     """``Strategy(autotune=True)``: the search's budget and seed; None: no auto-tuning."""
+    measures_choice: bool = False
+    """``Strategy.measures_its_choice``: the cost model's choice is measured against the configured
+    buckets sent whole after warm-up."""
     broadcast_buffers: bool
     check_finite: str | None
     """``Strategy.check_finite``: None, ``"skip"`` or ``"raise"``."""
@@ -49,6 +52,7 @@ class RunConfig:
             priority=strategy.priority,
             adaptive=strategy.cost_model_picks_partitioning,
             tuning=TuningConfig.of(strategy) if strategy.autotune else None,
+            measures_choice=strategy.measures_its_choice,
             broadcast_buffers=strategy.broadcast_buffers,
             check_finite=strategy.check_finite,
             timeout_s=strategy.timeout_s,

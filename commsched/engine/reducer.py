@@ -215,7 +215,8 @@ class GradientReducer:
             self.gating.use_recorded_reads(result.reads, self.layout)
         if self.config.tuning is not None and self._timeline is not None:
             self.tuning = self._start_tuning(result)
-        elif result.choice is not None and self.config.layout != whole_buckets(configured):
+        elif (self.config.measures_choice and result.choice is not None
+              and self.config.layout != whole_buckets(configured)):
             # Every rank knows the chosen setting, so every rank starts the same switch points.
             self.confirming = (self.config.layout, whole_buckets(configured))
             runner_up = None if result.choice.runner_up is None else result.choice.runner_up.on(configured)

@@ -410,3 +410,10 @@ def test_check_finite_is_refused_with_parameter_servers():
     assert Strategy(check_finite="raise").check_finite == "raise"
     with pytest.raises(ValueError, match=r"check_finite='skip' applies to the all-reduce backend"):
         Strategy(check_finite="skip", backend=ParameterServer())
+
+
+def test_the_choice_is_measured_only_where_that_costs_no_memory_and_nothing_else_measures():
+    assert Strategy().measures_its_choice
+    assert not Strategy(adaptive=False).measures_its_choice
+    assert not Strategy(autotune=True).measures_its_choice  # the auto-tuner measures anyway
+    assert not Strategy(backend=AllReduce(shard_optimizer=True)).measures_its_choice  # a change of buckets gathers
