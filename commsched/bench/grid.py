@@ -49,7 +49,7 @@ from commsched.bench.results import Cell, markdown, peak_rss, plot, summarize
 from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import ParameterServer, Strategy
 
-DDP_SWEEP_MB = (5.0, 100.0)
+DDP_SWEEP_MB = (1.0, 5.0, 100.0)
 """bucket_cap_mb values tried besides DDP's default 25, for the best-DDP column."""
 DDP_STATIC_MB = (None, 5.0)
 """bucket_cap_mb values (None: DDP's default) tried with static_graph and gradient_as_bucket_view."""
