@@ -140,3 +140,11 @@ def test_the_runner_up_is_measured_too(times_ms, kept):
     text = confirmation.describe(log, CHOSEN, WHOLE)
     assert all(f"{ms:.2f} ms" in text for ms in times_ms.values()), text
     assert ("runner-up" in text) == (kept == RUNNER_UP), text
+
+
+def test_settings_are_told_apart_by_their_first_bucket_too():
+    whole = LayoutSetting(None, None, 25.0, 1.0, True)
+    assert confirmation.describe_choice(whole) == "whole buckets of 25 MiB, the first 1 MiB"
+    assert confirmation.describe_choice(LayoutSetting(None, None, 25.0, 25.0, True)) == (
+        "whole buckets of 25 MiB, the first too")
+    assert confirmation.describe_choice(CHOSEN) == "partitions of 1 MiB, credit 4 MiB"
