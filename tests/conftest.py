@@ -1,7 +1,8 @@
 import pytest
 
 from commsched.testing import run_ranks
-from tests.shared_ranks import SHARED_SPAWNS_KEY, shared_ranks, shared_spawns, slowest_groups  # noqa: F401 - fixtures, found here by pytest
+from tests import shared_ranks as spawns_module
+from tests.shared_ranks import shared_ranks, shared_spawns  # noqa: F401 - fixtures, found here by pytest
 
 
 def pytest_configure(config):
@@ -19,9 +20,9 @@ def ranks():
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """With ``--durations``, the slowest groups of the shared spawns too (tests/shared_ranks.py)."""
     durations = config.getoption("durations", None)
-    spawns = config.stash.get(SHARED_SPAWNS_KEY, None)
+    spawns = config.stash.get(spawns_module.SHARED_SPAWNS_KEY, None)
     if durations is None or spawns is None or not spawns.outcomes:
         return
     terminalreporter.section("slowest groups of the shared spawns")
-    for line in slowest_groups(spawns.outcomes, durations):
+    for line in spawns_module.slowest_groups(spawns.outcomes, durations):
         terminalreporter.write_line(line)

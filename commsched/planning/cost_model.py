@@ -72,7 +72,8 @@ class Setting:
 
     def describe(self) -> str:
         if self.partition_mb is None:
-            return "whole buckets" + ("" if self.bucket_cap_mb is None else f" of {self.bucket_cap_mb:g} MiB, the first too")
+            size = "" if self.bucket_cap_mb is None else f" of {self.bucket_cap_mb:g} MiB, the first too"
+            return "whole buckets" + size
         credit = "no credit window" if self.credit_mb is None else f"credit {self.credit_mb:g} MiB"
         return f"partitions of {self.partition_mb:g} MiB, {credit}"
 

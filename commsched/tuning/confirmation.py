@@ -29,6 +29,7 @@ from commsched.layout.setting import LayoutSetting
 from commsched.planning.cost_model import Setting, keeps_partitions
 from commsched.tuning.controller import SETTLE_ITERATIONS
 from commsched.tuning.decision import Decision, Phase
+from commsched.tuning.intervals import IterationIntervals
 from commsched.tuning.log import TuningLog
 
 ROUNDS = 2
@@ -59,26 +60,20 @@ class Confirmation:
         self._trial_iterations = trial_iterations
         self._next = 0
         self._samples: dict[LayoutSetting, list[float]] = {s: [] for s in (*self.candidates, whole)}
-        self._interval: list[float] = []
-        self._last: tuple[int, float] | None = None
-        self._measure_from = 0
+        self._intervals = IterationIntervals()
         self._current: LayoutSetting | None = None
 
     def pass_started(self, iteration: int, now_s: float) -> None:
         """A synchronised pass begins (every one, on rank 0): the interval since the last one ends."""
-        last = self._last
-        if last is not None and iteration == last[0] + 1 and last[0] >= self._measure_from:
-            self._interval.append(now_s - last[1])
-        self._last = (iteration, now_s)
+        self._intervals.pass_started(iteration, now_s)
 
     def decide(self, iteration: int) -> Decision:
         """At a switch point, after `pass_started` for it: the next trial, or the verdict."""
-        ended_ms = None
+        ended_ms, measured = None, self._intervals.take()
         if self._current is not None:
-            self._samples[self._current] += self._interval
-            ended_ms = statistics.median(self._interval) * 1e3 if self._interval else None
-        self._interval = []
-        self._measure_from = iteration + SETTLE_ITERATIONS
+            self._samples[self._current] += measured
+            ended_ms = _median_ms(measured)
+        self._intervals.measure_from = iteration + SETTLE_ITERATIONS
         if self._next < len(self._trials):
             self._current = self._trials[self._next]
             self._next += 1
@@ -127,7 +122,8 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     trials: dict[LayoutSetting, list[float]] = {}
     for trial in (log.studies[-1] if log.studies else []):
         trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
-    measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms" for setting, ms in trials.items())
+    measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms"
+                         for setting, ms in trials.items())
 
     def ms(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f} ms"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from commsched.layout.setting import LayoutSetting
 from commsched.strategy import Strategy
 from commsched.tuning.decision import Decision, Phase
+from commsched.tuning.intervals import IterationIntervals
 from commsched.tuning.space import SearchSpace
 from commsched.tuning.study import STARTUP_TRIALS, Study, Trial
 
@@ -68,23 +69,17 @@ class Controller:
         self._study: Study | None = None
         self._trials_expected = 0
         self._baseline_s: float | None = None
-        self._last: tuple[int, float] | None = None
-        self._measure_from = 0
-        """Intervals starting before this iteration are not measured (settling)."""
-        self._samples: list[float] = []
+        self._intervals = IterationIntervals()
         self._first = True
 
     def pass_started(self, iteration: int, now_s: float) -> None:
         """A synchronised pass begins (every one, on rank 0): the interval since the last one ends."""
-        last = self._last
-        if last is not None and iteration == last[0] + 1 and last[0] >= self._measure_from:
-            self._samples.append(now_s - last[1])
-        self._last = (iteration, now_s)
+        self._intervals.pass_started(iteration, now_s)
 
     def decide(self, iteration: int) -> Decision:
         """At a switch point, after `pass_started` for it."""
-        measured = statistics.median(self._samples) if self._samples else None
-        self._samples = []
+        samples = self._intervals.take()
+        measured = statistics.median(samples) if samples else None
         previous = self._current
         if self._phase is Phase.TUNED:
             decision = self._steady(measured)
@@ -96,7 +91,7 @@ class Controller:
         # The first switch point follows the end of warm-up, which laid out and planned anew.
         changed = decision.setting != previous or self._first
         self._first = False
-        self._measure_from = iteration + (SETTLE_ITERATIONS if changed else 0)
+        self._intervals.measure_from = iteration + (SETTLE_ITERATIONS if changed else 0)
         return decision
 
     def stop(self) -> Decision:

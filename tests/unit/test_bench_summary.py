@@ -128,7 +128,8 @@ def test_other_parameter_server_block_sizes_are_compared_with_the_default():
 
 def test_display_names():
     assert [s.name for s in lineup(ps_servers=2)] == [
-        "compute only", "torch DDP", "torch DDP, bucket_cap_mb=1", "torch DDP, bucket_cap_mb=5", "torch DDP, bucket_cap_mb=100",
+        "compute only", "torch DDP", "torch DDP, bucket_cap_mb=1", "torch DDP, bucket_cap_mb=5",
+        "torch DDP, bucket_cap_mb=100",
         "torch DDP, static graph, grad views", "torch DDP, bucket_cap_mb=5, static graph, grad views",
         "torch FSDP2", "commsched, scheduling off", "commsched", "commsched PS, 2 servers",
     ]
