@@ -415,17 +415,44 @@ SETTINGS = settings(
 
 
 def properties(rank: int, world_size: int, max_examples: int) -> list[str]:
-    """Run the property on this rank; return the path each example took."""
+    """Run the property; return the path each example took on this rank.
+
+    Rank 0 alone draws the examples and sends each to the others: Hypothesis
+    on every rank would draw the same ones only as long as every rank's engine
+    decides alike, and its decisions may depend on how long examples take
+    (once, in CI, two ranks drew different examples and met in mismatched
+    collectives)."""
     group = dist.new_group(backend="gloo")
     paths: list[str] = []
+    if rank != 0:
+        failure: AssertionError | None = None
+        while (case := _next_case(None, group)) is not None:
+            try:
+                paths.append(together(rank, world_size, group, case))
+            except AssertionError as error:  # rank 0 reports it; Hypothesis replays the failing example
+                failure = failure or error
+        if failure is not None:
+            raise failure
+        return paths
 
     @settings(SETTINGS, max_examples=max_examples)
     @given(case=cases(world_size))
     def each(case: Case) -> None:
+        _next_case(case, group)
         paths.append(together(rank, world_size, group, case))
 
-    each()
+    try:
+        each()
+    finally:
+        _next_case(None, group)  # the end: the other ranks return
     return paths
+
+
+def _next_case(case: Case | None, group: dist.ProcessGroup) -> Case | None:
+    """Rank 0's next example (None: there are no more) on every rank. Collective."""
+    message = [case]
+    dist.broadcast_object_list(message, group=group, group_src=0)
+    return message[0]
 
 
 @pytest.mark.parametrize("world_size, max_examples", [
