@@ -30,8 +30,9 @@ fewer collectives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -131,17 +132,25 @@ class Choice:
         )
 
 
+T = TypeVar("T")
+
 CONFIRMATION_MARGIN = 0.03
 """Chosen partitions stay only if their median iteration is this much shorter than whole buckets'
-(`keeps_partitions`). Medians of six iterations of one setting differ by a percent or two from
+(`measured_choice`). Medians of six iterations of one setting differ by a percent or two from
 run to run on the emulated hosts; a smaller gain is not worth a choice that flips between runs."""
 
 
-def keeps_partitions(partitions_s: float, whole_s: float) -> bool:
-    """Whether chosen partitions whose iteration takes ``partitions_s`` beat whole buckets' ``whole_s``
-    by `CONFIRMATION_MARGIN`: the rule a run applies to its measurements ([Note: confirming the choice]
-    in `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's."""
-    return partitions_s < whole_s * (1 - CONFIRMATION_MARGIN)
+def measured_choice(iteration_s: Mapping[T, float], whole: T) -> T:
+    """Of settings and their iteration times (``whole``, the configured buckets sent whole, among
+    them), the fastest other than ``whole`` if it beats ``whole`` by `CONFIRMATION_MARGIN`, else
+    ``whole``: the rule a run applies to its measurements ([Note: confirming the choice] in
+    `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's."""
+    others = [(seconds, i) for i, (setting, seconds) in enumerate(iteration_s.items()) if setting != whole]
+    if whole not in iteration_s or not others:
+        return whole
+    fastest_s, index = min(others)
+    fastest = list(iteration_s)[index]
+    return fastest if fastest_s < iteration_s[whole] * (1 - CONFIRMATION_MARGIN) else whole
 
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Choice, Timeline, applied, choose, keeps_partitions
+from commsched.planning.cost_model import Choice, Timeline, applied, choose, measured_choice
 from commsched.planning.schedule import LinkModel
 from commsched.profiling.profile import Profile
 from commsched.simulator import Cluster, meta_parameters, simulate
@@ -51,10 +51,9 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     choice = cost_model_choice(strategy, profile, cluster)
     chosen = applied(literal, choice.setting)
     whole = dataclasses.replace(literal, partition_mb=None, credit_mb=None)
-    if chosen == whole:
+    if chosen == whole or not strategy.measures_its_choice:
         return chosen
     # The run then measures its choice and the runner-up against the configured buckets sent
     # whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
-    candidates = [chosen] + ([applied(literal, choice.runner_up)] if choice.runner_up is not None else [])
-    fastest_s, fastest = min(((simulate(profile, cluster, s).iteration_s, i) for i, s in enumerate(candidates)))
-    return candidates[fastest] if keeps_partitions(fastest_s, simulate(profile, cluster, whole).iteration_s) else whole
+    measured = [chosen, whole] + ([applied(literal, choice.runner_up)] if choice.runner_up is not None else [])
+    return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole)

@@ -12,7 +12,7 @@ first iterations after warm-up measure them against the configured buckets
 sent whole, as torch DDP sends its own, interleaved (`ROUNDS` rounds of
 each, `TRIAL_ITERATIONS` measured iterations per trial after one to settle
 on the new layout), and the partitions stay only if their median iteration
-is shorter by more than `CONFIRMATION_MARGIN` (`keeps_partitions` in
+is shorter by more than `CONFIRMATION_MARGIN` (`measured_choice` in
 `commsched.planning.cost_model`). Otherwise whole buckets stay: they issue
 the fewest collectives at the configured size, as torch DDP does, and a tie
 going to them makes the same cell choose the same way run after run.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Setting, keeps_partitions
+from commsched.planning.cost_model import Setting, measured_choice
 from commsched.tuning.controller import SETTLE_ITERATIONS
 from commsched.tuning.decision import Decision, Phase
 from commsched.tuning.intervals import IterationIntervals
@@ -86,14 +86,9 @@ class Confirmation:
                         window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]))
 
     def verdict(self) -> LayoutSetting:
-        """The fastest candidate by median iteration if it beats ``whole`` by `CONFIRMATION_MARGIN`
-        (`keeps_partitions`), else ``whole``."""
-        measured = [(statistics.median(self._samples[s]), s) for s in self.candidates if self._samples[s]]
-        whole = self._samples[self.whole]
-        if not measured or not whole:
-            return self.whole
-        fastest_s, fastest = min(measured, key=lambda pair: pair[0])
-        return fastest if keeps_partitions(fastest_s, statistics.median(whole)) else self.whole
+        """By median iteration, the fastest candidate if it beats ``whole`` by `CONFIRMATION_MARGIN`,
+        else ``whole`` (`measured_choice`)."""
+        return measured_choice({s: statistics.median(t) for s, t in self._samples.items() if t}, self.whole)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""

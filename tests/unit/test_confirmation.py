@@ -124,18 +124,13 @@ RUNNER_UP = LayoutSetting(4.0, 16.0, 25.0, 1.0, True)
     ({CHOSEN: 119.0, RUNNER_UP: 118.0, WHOLE: 120.0}, WHOLE),
 ])
 def test_the_runner_up_is_measured_too(times_ms, kept):
-    controller, log = Confirmation(CHOSEN, WHOLE, RUNNER_UP), TuningLog()
-    iteration, clock, seen = WARMUP_ITERATIONS, 0.0, []
-    controller.pass_started(iteration, clock)
-    log.apply(iteration, controller.decide(iteration))
-    while log.next_switch is not None:
-        seen.append(log.current)
-        clock += times_ms[log.current] / 1e3
-        iteration += 1
-        controller.pass_started(iteration, clock)
-        if log.next_switch == iteration:
-            log.apply(iteration, controller.decide(iteration))
-    assert len(seen) == LENGTH and set(seen) == {CHOSEN, RUNNER_UP, WHOLE}
+    def cost(setting, iteration):
+        return times_ms[setting] / 1e3
+
+    unfinished, _ = run(cost, iterations=LENGTH - 1, runner_up=RUNNER_UP)
+    assert unfinished.next_switch is not None
+    log, seen = run(cost, iterations=LENGTH, runner_up=RUNNER_UP)
+    assert log.next_switch is None and set(seen) == {CHOSEN, RUNNER_UP, WHOLE}
     assert log.current == kept
     text = confirmation.describe(log, CHOSEN, WHOLE)
     assert all(f"{ms:.2f} ms" in text for ms in times_ms.values()), text
