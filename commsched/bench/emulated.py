@@ -473,10 +473,3 @@ def _build_tree(net: EmulatedNet, profile: Profile, groups: Sequence[_Group],
             ordered = sorted(kids, key=lambda kid: min(spans[kid]))
             modules[node]._call_order = [kid.rpartition(".")[2] for kid in ordered]
     return [kid for kid in sorted(children[""], key=lambda kid: min(spans[kid]))]
-
-
-def emulated_table() -> list[dict[str, Any]]:
-    """One row per emulated workload: its factors and what they give, for the bench to print."""
-    return [{"workload": w.name, "profile": w.profile_name, "size_scale": w.size_scale, "time_scale": w.time_scale,
-             "gradient_mb": w.gradient_bytes / 1e6, "compute_ms": w.compute_s * 1e3}
-            for w in EMULATED_WORKLOADS.values()]
