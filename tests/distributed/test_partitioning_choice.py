@@ -54,7 +54,9 @@ def assert_relaid_out(model: torch.nn.Module, rank: int) -> None:
     """The cost model chose fewer collectives than configured, and every rank follows rank 0
     (partitions are then measured against whole buckets; whole buckets are taken at once)."""
     status = commsched.status(model)
-    assert status.partition_mb is None or status.partition_mb > TINY_PARTITION_MB, status.describe()
+    # While the choice is measured, its runner-up may be the configured partitions, on trial.
+    on_trial = "measuring it against" in status.partitioning
+    assert on_trial or status.partition_mb is None or status.partition_mb > TINY_PARTITION_MB, status.describe()
     expected = ("the cost model's choice: " if rank == 0 else "rank 0's cost model chose ", "the cost model chose ")
     assert status.partitioning.startswith(expected), status.partitioning
     assert sum(b.partitions for b in status.buckets) == status.partitions
