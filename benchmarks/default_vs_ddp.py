@@ -2,10 +2,13 @@
 
     .venv/bin/python benchmarks/default_vs_ddp.py
     .venv/bin/python benchmarks/default_vs_ddp.py --workers 8 64 --gbit 10 --algorithm tree --json results/x.json
+    .venv/bin/python benchmarks/default_vs_ddp.py --emulated    # the bench's emulated hosts, 2-16 of them
 
 For each profile (the committed VGG16 and ResNet-50 ones, their compute scaled to
 an accelerator's, and GPT-2 small from its FLOPs; `commsched.bench.emulated`),
-number of workers, link rate and per-hop latency, the simulator times torch DDP
+number of workers, link rate and per-hop latency (with ``--emulated``: the bench's
+emulated workloads as they run, at 2-16 hosts, 0.25-1 Gbit/s, 0.1 and 1 ms per
+hop, what the emulated links' all-reduces measure), the simulator times torch DDP
 at each bucket size of `DDP_BUCKETS_MB` and commsched's default `Strategy()` as
 a run adopts it (`commsched.simulator.adoption.as_run`: the cost model's choice,
 kept only if the simulator finds it faster than whole buckets, as a run measures).
@@ -20,8 +23,9 @@ import itertools
 import json
 from pathlib import Path
 
-from commsched.bench.emulated import load_profile
+from commsched.bench.emulated import EMULATED_WORKLOADS, load_profile
 from commsched.profiling.model import scaled_compute
+from commsched.profiling.profile import Profile
 from commsched.simulator import Cluster, DDPConfig, bound_s, simulate
 from commsched.simulator.adoption import as_run
 from commsched.strategy import Strategy
@@ -34,22 +38,43 @@ PROFILES = {"vgg16": 0.0810, "resnet50": 0.1607, "gpt2-small": 1.0}
 per worker, by published throughput); GPT-2 small is already an accelerator's."""
 
 
+ACCELERATOR_DEFAULTS = {"profiles": list(PROFILES), "workers": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+                        "gbit": [1.0, 10.0, 25.0, 100.0], "latency_us": [5.0, 25.0]}
+EMULATED_DEFAULTS = {"profiles": list(EMULATED_WORKLOADS), "workers": [2, 4, 8, 16], "gbit": [0.25, 0.5, 1.0],
+                     "latency_us": [100.0, 1000.0]}
+"""The emulated hosts: their links' rates, and per hop of the ring the fixed cost their all-reduces
+measure (about 1 ms at 16 hosts on 2 cores; less where the cores are idle)."""
+
+
+def profile_named(name: str) -> Profile:
+    if name in EMULATED_WORKLOADS:
+        return EMULATED_WORKLOADS[name].as_emulated()
+    return scaled_compute(load_profile(name), PROFILES[name]) if PROFILES[name] != 1 else load_profile(name)
+
+
 def cells(workers: list[int], gbits: list[float], latencies_us: list[float], algorithm: str):
     return itertools.product(workers, gbits, latencies_us, [algorithm])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=list(PROFILES))
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
-    parser.add_argument("--gbit", type=float, nargs="+", default=[1.0, 10.0, 25.0, 100.0])
-    parser.add_argument("--latency-us", type=float, nargs="+", default=[5.0, 25.0])
+    parser.add_argument("--profiles", nargs="+", choices=[*PROFILES, *EMULATED_WORKLOADS],
+                        help="default: the accelerator profiles, or with --emulated the emulated workloads")
+    parser.add_argument("--emulated", action="store_true",
+                        help="the bench's emulated workloads and hosts: defaults for every option below")
+    parser.add_argument("--workers", type=int, nargs="+")
+    parser.add_argument("--gbit", type=float, nargs="+")
+    parser.add_argument("--latency-us", type=float, nargs="+")
     parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     parser.add_argument("--json", type=Path, help="write every cell here")
     args = parser.parse_args()
+    defaults = EMULATED_DEFAULTS if args.emulated else ACCELERATOR_DEFAULTS
+    for option, value in defaults.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
     rows = []
     for name in args.profiles:
-        profile = scaled_compute(load_profile(name), PROFILES[name]) if PROFILES[name] != 1 else load_profile(name)
+        profile = profile_named(name)
         worst = None
         for workers, gbit, latency_us, algorithm in cells(args.workers, args.gbit, args.latency_us, args.algorithm):
             cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm)

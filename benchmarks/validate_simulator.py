@@ -47,27 +47,37 @@ SYSTEMS = (
 )
 """What each cell trains; compute alone is measured for the table, not simulated."""
 
-_SETTING = re.compile(r"^(whole buckets|partitions of ([0-9.]+) MiB, (no credit window|credit ([0-9.]+) MiB))")
+_SETTING = re.compile(r"^(whole buckets(?: of ([0-9.]+) MiB, the first (too|([0-9.]+) MiB))?"
+                      r"|partitions of ([0-9.]+) MiB, (no credit window|credit ([0-9.]+) MiB))")
 
 
-def strategy_in_use(system: Commsched, partitioning: str | None) -> Strategy:
-    """The Strategy the run used: with ``adaptive``, the partitioning its cost model chose
-    (`commsched.status`'s text, as the bench records it)."""
+def strategy_in_use(system: Commsched, partitioning: str | None, layout: dict | None = None) -> Strategy:
+    """The Strategy the run used: with ``adaptive``, the sizes it kept at the end of warm-up
+    (``layout``, `commsched.status`'s sizes as the bench records them), or where an older run
+    lacks them, the cost model's choice in `commsched.status`'s text."""
     strategy = system.strategy
+    if strategy.adaptive and layout:
+        return dataclasses.replace(strategy, **layout, adaptive=False)
     match = _SETTING.match(partitioning or "")
     if not strategy.adaptive or match is None:
         return strategy
-    if match.group(1) == "whole buckets":
-        return dataclasses.replace(strategy, partition_mb=None, credit_mb=None, adaptive=False)
-    credit = None if match.group(4) is None else float(match.group(4))
-    return dataclasses.replace(strategy, partition_mb=float(match.group(2)), credit_mb=credit, adaptive=False)
+    if match.group(1).startswith("whole buckets"):
+        whole = dataclasses.replace(strategy, partition_mb=None, credit_mb=None, adaptive=False)
+        if match.group(2) is None:
+            return whole
+        cap = float(match.group(2))
+        first = cap if match.group(4) is None else float(match.group(4))
+        return dataclasses.replace(whole, bucket_cap_mb=cap, first_bucket_mb=first)
+    credit = None if match.group(7) is None else float(match.group(7))
+    return dataclasses.replace(strategy, partition_mb=float(match.group(5)), credit_mb=credit, adaptive=False)
 
 
-def simulated_s(system: object, profile: Profile, cluster: Cluster, partitioning: str | None) -> float:
+def simulated_s(system: object, profile: Profile, cluster: Cluster, measured: dict) -> float:
     if isinstance(system, TorchDDP):
         return simulate(profile, cluster, DDPConfig()).iteration_s
     assert isinstance(system, Commsched)
-    return simulate(profile, cluster, strategy_in_use(system, partitioning)).iteration_s
+    used = strategy_in_use(system, measured.get("partitioning"), measured.get("layout_in_use"))
+    return simulate(profile, cluster, used).iteration_s
 
 
 def compare_cell(cell: Cell, run: dict) -> list[dict]:
@@ -88,8 +98,8 @@ def compare_cell(cell: Cell, run: dict) -> list[dict]:
             continue
         measured = run["systems"][system.name]
         measured_s = statistics.median(measured["iteration_times_s"])
-        predicted_s = simulated_s(system, profile, cluster, measured.get("partitioning"))
-        calibrated_s = simulated_s(system, calibrated, cluster, measured.get("partitioning"))
+        predicted_s = simulated_s(system, profile, cluster, measured)
+        calibrated_s = simulated_s(system, calibrated, cluster, measured)
         rows.append({"model": cell.model, "hosts": cell.hosts, "gbit": cell.rate_gbit, "system": system.name,
                      "measured_ms": measured_s * 1e3, "simulated_ms": predicted_s * 1e3,
                      "error": (predicted_s - measured_s) / measured_s,

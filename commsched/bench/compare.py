@@ -107,6 +107,10 @@ class SystemResult:
     (``opt.synchronize()``; not in ``iteration_times_s``: see [Note: steady-state rounds])."""
     partitioning: str | None = None
     """commsched systems: the partitioning in use and why, where `commsched.status` says."""
+    layout_in_use: dict | None = None
+    """commsched systems: the partition, credit, bucket and first bucket sizes in use (MiB; None:
+    whole / unbounded) after the last round, where `commsched.status` says: what the simulator
+    is given to time the same run (benchmarks/validate_simulator.py)."""
     peak_rss_mib: float = float("nan")
     """Peak resident memory of a process running only this system, max over its ranks
     (`commsched.bench.memory`); NaN where not measured."""
@@ -152,6 +156,17 @@ class _FigureLog:
 def _partitioning(model: torch.nn.Module) -> str | None:
     """What commsched's cost model chose, if this version's `commsched.status` tells."""
     return getattr(commsched.status(model), "partitioning", None) or None
+
+
+LAYOUT_FIELDS = ("partition_mb", "credit_mb", "bucket_cap_mb", "first_bucket_mb")
+
+
+def _layout_in_use(model: torch.nn.Module) -> dict | None:
+    """The sizes of `LAYOUT_FIELDS` in use, if this version's `commsched.status` tells."""
+    status = commsched.status(model)
+    if not all(hasattr(status, name) for name in LAYOUT_FIELDS):
+        return None
+    return {name: getattr(status, name) for name in LAYOUT_FIELDS}
 
 
 class Run:
@@ -202,6 +217,7 @@ class Run:
         if self._figures is not None:
             self._figures.write_into(self.result)
             self.result.partitioning = _partitioning(self.model)
+            self.result.layout_in_use = _layout_in_use(self.model)
             sharding = getattr(commsched.status(self.model), "sharding", None)
         self.result.sharding = None if sharding is None else asdict(sharding)
         self.result.optimizer_state_bytes = (optimizer_state_bytes(self.optimizer) if sharding is None

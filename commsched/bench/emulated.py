@@ -29,6 +29,7 @@ layer's, as each wake costs the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commsched.profiling.model import scaled_compute
 from commsched.profiling.profile import ModuleProfile, ParameterProfile, Profile
 
 INPUT_WIDTH = 32
@@ -83,6 +85,16 @@ class EmulatedWorkload:
 
     def profile(self) -> Profile:
         return load_profile(self.profile_name)
+
+    def as_emulated(self) -> Profile:
+        """The profile as the emulated net runs it (its gradients' sizes and every time scaled, each
+        parameter float32): what the simulator is given to time the bench's cells."""
+        profile = self.profile()
+        parameters = tuple(
+            dataclasses.replace(p, numel=numel, element_size=4)
+            for p, numel in zip(profile.parameters, _scaled_numels(profile, self.size_scale), strict=True)
+        )
+        return scaled_compute(dataclasses.replace(profile, parameters=parameters), self.time_scale)
 
     def build(self) -> EmulatedNet:
         """A fresh net (the global generator draws its parameters, as ``nn.Linear``'s do)."""

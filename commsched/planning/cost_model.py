@@ -10,18 +10,24 @@ partition size, so there are more, smaller collectives, each with its latency
 and its host work. Where communication hides behind compute anyway (a fast
 link, a small model), that cost is all that is left. So, at the end of warm-up,
 each candidate setting (the configured one, coarser partitions, whole buckets,
-and for many hosts, where each collective pays a latency per hop of the ring,
-whole buckets without the small first one, and four times the configured size)
-is replayed on rank 0's measured timeline: per parameter, when its gradient
+and the bucket sizes torch DDP users sweep: a fifth and a twenty-fifth of the
+configured size, where slow links want more overlap, and for many hosts, where
+each collective pays a latency per hop of the ring, whole buckets without the
+small first one, and four times the configured size) is replayed on rank 0's measured timeline: per parameter, when its gradient
 became ready in the backward pass; how long the forward pass took; the link's
 latency and bandwidth. The predicted cost of a candidate is how long the
 training thread would wait for communication (at the end of backward without
 forward overlap; at the forward pass's layers with it, assuming the forward pass
-reaches each parameter in proportion to the bytes before it), plus one latency
-per collective for the host work, plus the computation that communication
-slows down by running beside it: its time beside the backward and the next
-forward pass times the CPU share of the transport, measured as the process's
-CPU time per second of an all-reduce. On a GPU cluster that share is small and
+reaches each parameter in proportion to the bytes before it), plus the host
+work of the collectives, plus the computation that communication slows down by
+running beside it: its time beside the backward and the next forward pass
+times the CPU share of the transport, measured as the process's CPU time per
+second of an all-reduce. The host work of a collective is commsched's own
+(`COLLECTIVE_HOST_S`) plus its fixed cost (the link's latency) times that share
+too: on loopback the fixed cost is the host's own copying and bookkeeping, but
+among many hosts on a wire it is mostly the ring's hops, which the waiting
+already counts where they delay anything and which cost the host nothing where
+they do not. On a GPU cluster that share is small and
 overlap is nearly free; on loopback, where the link is the host's own CPU, it
 is large and overlapping hides almost nothing. The cheapest wins; a tie goes to
 fewer collectives.
@@ -45,6 +51,14 @@ from commsched.strategy import MIB, Strategy
 COARSER_FACTOR = 4
 """The middle candidate: partitions (and credit) this many times the configured ones."""
 
+COLLECTIVE_HOST_S = 1e-4
+"""The training thread's own work per collective (issuing it, its callbacks, the update it starts):
+about a tenth of a millisecond of Python."""
+
+SMALLER_BUCKETS = (5, 25)
+"""Whole-bucket candidates this many times smaller than the configured buckets: with torch DDP's
+25 MiB, the 5 and 1 MiB its users try."""
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -65,27 +79,40 @@ class Timeline:
 @dataclass(frozen=True)
 class Setting:
     """A candidate: the wire unit and the credit window, in MiB (None: whole / unbounded), and for
-    whole buckets their size (None: as configured)."""
+    whole buckets their size (None: as configured) and the first one's (None: as large as the others)."""
 
     partition_mb: float | None
     credit_mb: float | None
     bucket_cap_mb: float | None = None
+    first_bucket_mb: float | None = None
 
     def describe(self) -> str:
         if self.partition_mb is None:
-            size = "" if self.bucket_cap_mb is None else f" of {self.bucket_cap_mb:g} MiB, the first too"
-            return "whole buckets" + size
+            if self.bucket_cap_mb is None:
+                return "whole buckets"
+            first = "the first too" if self.first_bucket_mb is None else f"the first {self.first_bucket_mb:g} MiB"
+            return f"whole buckets of {self.bucket_cap_mb:g} MiB, {first}"
         credit = "no credit window" if self.credit_mb is None else f"credit {self.credit_mb:g} MiB"
         return f"partitions of {self.partition_mb:g} MiB, {credit}"
 
     def on(self, layout: LayoutSetting) -> LayoutSetting:
-        """``layout`` with this candidate's partitioning, and where it has a bucket size, every bucket
-        (the first too) of that size: as ``DistributedDataParallel(bucket_cap_mb=...)`` lays them out,
-        one collective fewer than a small first bucket, which is what many hosts pay for."""
+        """``layout`` with this candidate's partitioning, and where it has a bucket size, buckets of
+        that size: as ``DistributedDataParallel(bucket_cap_mb=...)`` lays them out, the first too
+        (one collective fewer than a small first bucket, which is what many hosts pay for) unless
+        the candidate keeps a smaller first bucket."""
         changed = layout.with_partitioning(self.partition_mb, self.credit_mb)
         if self.bucket_cap_mb is None:
             return changed
-        return dataclasses.replace(changed, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.bucket_cap_mb)
+        first = self.bucket_cap_mb if self.first_bucket_mb is None else self.first_bucket_mb
+        return dataclasses.replace(changed, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=first)
+
+    @classmethod
+    def of(cls, layout: LayoutSetting) -> Setting:
+        """The candidate ``layout`` is (its buckets' sizes included, as `on` sets them)."""
+        if layout.partition_mb is not None:
+            return cls(layout.partition_mb, layout.credit_mb)
+        first = None if layout.first_bucket_mb == layout.bucket_cap_mb else layout.first_bucket_mb
+        return cls(None, None, layout.bucket_cap_mb, first)
 
 
 @dataclass(frozen=True)
@@ -95,7 +122,8 @@ class Prediction:
     wait_s: float
     """Predicted time the training thread waits for communication per iteration."""
     host_s: float
-    """Predicted host work of the collectives (one latency each)."""
+    """Predicted host work of the collectives: `COLLECTIVE_HOST_S` each, and each one's latency
+    times the transport's CPU share."""
     contention_s: float = 0.0
     """Predicted slowdown of computation by communication running beside it."""
 
@@ -155,21 +183,27 @@ def measured_choice(iteration_s: Mapping[T, float], whole: T) -> T:
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,
                first_bucket_mb: float | None = None) -> list[Setting]:
-    """The configured setting, a coarser one, whole buckets (each once); where the gradients
-    (``gradient_bytes``) fill more than the configured first bucket (``first_bucket_mb``), whole
-    buckets of the configured ``bucket_cap_mb``, the first one too; and where they fill more than
-    one bucket, whole buckets `COARSER_FACTOR` times as large. At many hosts each collective costs a
-    latency per hop of the ring: fewer, larger buckets are what torch DDP users tune for it."""
+    """The configured setting, a coarser one, whole buckets (each once); and, where the gradients
+    (``gradient_bytes``) fill more than one bucket of each size, the bucket sizes torch DDP users
+    sweep, sent whole, the first as large as the others (as ``DistributedDataParallel(bucket_cap_mb=...)``
+    lays them out): `SMALLER_BUCKETS`, the configured ``bucket_cap_mb`` (where the configured first
+    bucket, ``first_bucket_mb``, is smaller), and `COARSER_FACTOR` times as large. At many hosts each collective costs a latency per
+    hop of the ring: fewer, larger buckets are what DDP users tune for it; where the links are
+    slow, smaller ones overlap more of the backward pass."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
         found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
     found.append(Setting(None, None))
-    if bucket_cap_mb is not None and first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb \
-            and gradient_bytes > first_bucket_mb * MIB:
-        found.append(Setting(None, None, bucket_cap_mb))
-    if bucket_cap_mb is not None and gradient_bytes > bucket_cap_mb * MIB:
-        found.append(Setting(None, None, bucket_cap_mb * COARSER_FACTOR))
+    if bucket_cap_mb is not None:
+        for divisor in SMALLER_BUCKETS:
+            size = bucket_cap_mb / divisor
+            if gradient_bytes > size * MIB:
+                found.append(Setting(None, None, size))
+        if first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb and gradient_bytes > first_bucket_mb * MIB:
+            found.append(Setting(None, None, bucket_cap_mb))
+        if gradient_bytes > bucket_cap_mb * MIB:
+            found.append(Setting(None, None, bucket_cap_mb * COARSER_FACTOR))
     unique: list[Setting] = []
     for setting in found:
         if setting not in unique:
@@ -219,8 +253,9 @@ def predict(
                  end_of_backward, wait, computing_until)
         for p in partitions
     )
-    return Prediction(setting, len(partitions), wait, len(partitions) * timeline.link.latency_s,
-                      beside_compute * min(1.0, max(0.0, timeline.transport_cpu_share)))
+    cpu_share = min(1.0, max(0.0, timeline.transport_cpu_share))
+    host_s = len(partitions) * (COLLECTIVE_HOST_S + timeline.link.latency_s * cpu_share)
+    return Prediction(setting, len(partitions), wait, host_s, beside_compute * cpu_share)
 
 
 def _overlap(start: float, end: float, end_of_backward: float, wait: float, computing_until: float) -> float:

@@ -88,7 +88,7 @@ def choose_on_rank0(
     if calibration.link is None:
         raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
     choice = timeline = None
-    message = torch.zeros(7, dtype=torch.float64)
+    message = torch.zeros(2 * _SETTING_FLOATS + 1, dtype=torch.float64)
     if dist.get_rank(control_group) == 0:
         timeline = Timeline(warmup.slot_ready_s, warmup.forward_s, calibration.link, calibration.transport_cpu_share)
         choice = choose(setting, priority, layout.params, layout.forward_order, timeline)
@@ -99,13 +99,19 @@ def choose_on_rank0(
         work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
-        runner_up = Setting(*(_decode_mb(v) for v in message[3:6])) if message[6] > 0 else None
-        choice = Choice(Setting(*(_decode_mb(v) for v in message[:3])), (), runner_up)
+        n = _SETTING_FLOATS
+        runner_up = Setting(*(_decode_mb(v) for v in message[n:2 * n])) if message[2 * n] > 0 else None
+        choice = Choice(Setting(*(_decode_mb(v) for v in message[:n])), (), runner_up)
     return choice, timeline
 
 
+_SETTING_FLOATS = 4
+"""A `Setting` on the wire: its partition, credit, bucket and first bucket sizes."""
+
+
 def _encode(setting: Setting) -> list[float]:
-    return [_encode_mb(v) for v in (setting.partition_mb, setting.credit_mb, setting.bucket_cap_mb)]
+    values = (setting.partition_mb, setting.credit_mb, setting.bucket_cap_mb, setting.first_bucket_mb)
+    return [_encode_mb(v) for v in values]
 
 
 def _encode_mb(value: float | None) -> float:

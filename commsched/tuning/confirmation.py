@@ -136,8 +136,4 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
 def describe_choice(chosen: LayoutSetting) -> str:
     """``partitions of 1 MiB, credit 4 MiB``, ``whole buckets of 100 MiB, the first too`` or
     ``whole buckets of 25 MiB, the first 1 MiB``."""
-    if chosen.partition_mb is not None:
-        return Setting(chosen.partition_mb, chosen.credit_mb).describe()
-    if chosen.first_bucket_mb == chosen.bucket_cap_mb:
-        return Setting(None, None, chosen.bucket_cap_mb).describe()
-    return f"whole buckets of {chosen.bucket_cap_mb:g} MiB, the first {chosen.first_bucket_mb:g} MiB"
+    return Setting.of(chosen).describe()

@@ -38,14 +38,28 @@ def test_candidates_are_configured_coarser_and_whole_buckets_once():
     assert candidates(WHOLE) == [WHOLE]
 
 
-def test_larger_buckets_are_a_candidate_where_the_gradients_fill_more_than_one():
-    assert candidates(CONFIGURED, 25.0, 26 * MIB)[-1] == Setting(None, None, 100.0)
-    assert candidates(WHOLE, 25.0, 26 * MIB) == [WHOLE, Setting(None, None, 100.0)]
-    assert candidates(CONFIGURED, 25.0, 25 * MIB) == candidates(CONFIGURED)
+def test_bucket_sizes_ddp_users_sweep_are_candidates_where_the_gradients_fill_more_than_one():
+    five, one, hundred = (Setting(None, None, mb) for mb in (5.0, 1.0, 100.0))
+    assert candidates(CONFIGURED, 25.0, 26 * MIB)[-1] == hundred
+    assert candidates(WHOLE, 25.0, 26 * MIB) == [WHOLE, five, one, hundred]
+    assert candidates(CONFIGURED, 25.0, 25 * MIB) == [*candidates(CONFIGURED), five, one]
+    assert candidates(WHOLE, 25.0, 3 * MIB) == [WHOLE, one]
+    assert candidates(WHOLE, 25.0, MIB) == [WHOLE]
     # without the small first bucket, where the gradients fill more than it
-    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0) == [WHOLE, Setting(None, None, 25.0), Setting(None, None, 100.0)]
-    assert candidates(WHOLE, 25.0, 1 * MIB, 1.0) == [WHOLE]
-    assert candidates(WHOLE, 25.0, 26 * MIB, 25.0) == [WHOLE, Setting(None, None, 100.0)]
+    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0) == [WHOLE, five, one, Setting(None, None, 25.0), hundred]
+    assert candidates(WHOLE, 25.0, 26 * MIB, 25.0) == [WHOLE, five, one, hundred]
+    # a fifth and a twenty-fifth of what is configured
+    assert candidates(WHOLE, 100.0, 26 * MIB) == [WHOLE, Setting(None, None, 20.0), Setting(None, None, 4.0)]
+
+
+def test_a_candidate_describes_and_lays_out_its_buckets():
+    layout = LayoutSetting.of(Strategy())
+    assert Setting(None, None, 5.0).describe() == "whole buckets of 5 MiB, the first too"
+    assert Setting(None, None, 25.0, 1.0).describe() == "whole buckets of 25 MiB, the first 1 MiB"
+    five = Setting(None, None, 5.0).on(layout)
+    assert (five.partition_mb, five.bucket_cap_mb, five.first_bucket_mb) == (None, 5.0, 5.0)
+    for setting in (Setting(None, None, 5.0), Setting(None, None, 25.0, 1.0), Setting(4.0, 16.0)):
+        assert Setting.of(setting.on(layout)) == setting
 
 
 def test_many_hosts_get_larger_buckets():
@@ -63,10 +77,10 @@ def test_many_hosts_get_larger_buckets():
 def test_a_fast_link_gets_fewer_collectives():
     """Communication hides behind compute anyway: fewer collectives cost less, down to one
     bucket without the small first one. (Whole buckets put the first layers' gradients into one
-    large bucket that the next forward pass waits for, so on a merely fast link coarser
-    partitions win.)"""
+    large bucket that the next forward pass waits for, so on a merely fast link smaller buckets
+    win: 5 MiB ones wait as long as 4 MiB partitions, in one collective fewer.)"""
     params = layers()
-    for bytes_per_s, expected in ((5e9, Setting(4.0, 16.0)), (1e12, Setting(None, None, 25.0))):
+    for bytes_per_s, expected in ((5e9, Setting(None, None, 5.0)), (1e12, Setting(None, None, 25.0))):
         link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
         for overlap in (True, False):
             choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=overlap)
