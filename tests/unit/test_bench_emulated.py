@@ -97,6 +97,18 @@ def test_gradient_bytes_are_the_profiles_times_the_size_scale(workload):
 
 
 @pytest.mark.parametrize("workload", sorted(EMULATED_WORKLOADS))
+def test_the_profile_as_emulated_has_the_nets_sizes_and_scaled_times(workload):
+    emulated = EMULATED_WORKLOADS[workload]
+    profile, as_run = emulated.profile(), emulated.as_emulated()
+    net = emulated.build()
+    assert [p.numel for p in as_run.parameters] == [p.numel() for p in net.parameters()]
+    assert as_run.gradient_bytes == emulated.gradient_bytes
+    assert as_run.forward_s + as_run.backward_s == pytest.approx(emulated.compute_s)
+    times = [t for a in as_run.parameters for t in (a.ready_s, a.first_use_s)]
+    assert times == pytest.approx([t * emulated.time_scale for p in profile.parameters for t in (p.ready_s, p.first_use_s)])
+
+
+@pytest.mark.parametrize("workload", sorted(EMULATED_WORKLOADS))
 def test_factors_balance_compute_and_a_ring_all_reduce_from_a_quarter_to_one_gbit(workload):
     emulated = EMULATED_WORKLOADS[workload]
     assert 0.1 <= emulated.compute_s <= 0.3
