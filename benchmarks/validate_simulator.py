@@ -4,8 +4,9 @@
     sudo .venv/bin/python benchmarks/validate_simulator.py --hosts 2 --rates-gbit 1 --models vgg-like
 
 For every cell (hosts x model x link rate) a fresh emulated cluster trains, side
-by side in interleaved rounds, torch DDP with its defaults, commsched's default
-`Strategy` and two other Strategies (coarse partitions; no forward overlap).
+by side in interleaved rounds, torch DDP with its defaults and the bench's other
+bucket sizes, commsched's default `Strategy` and two other Strategies (coarse
+partitions; no forward overlap).
 Then, on the same hosts, the model is profiled with every host computing at
 once and the link is measured (`commsched.bench.in_situ`), as a user would
 profile on their own cluster before asking the simulator. The simulator is
@@ -16,7 +17,9 @@ iteration time for each system is set against the measured median.
 (after a change to the simulator) without measuring.
 
 Writes ``runs.json`` (every measurement and profile) and ``validation.md`` (the
-table, median and worst absolute error) into ``--out``; prints the table.
+table, median and worst absolute error; then per cell commsched's default against
+the fastest DDP, and the simulator's bound and best schedule) into ``--out``;
+prints them.
 """
 
 from __future__ import annotations
@@ -30,17 +33,21 @@ import statistics
 import sys
 from pathlib import Path
 
-from commsched.bench.grid import BATCH, run_cell
+from commsched.bench.grid import BATCH, DDP_SWEEP_MB, run_cell
 from commsched.bench.results import Cell
 from commsched.bench.systems import Commsched, ComputeOnly, TorchDDP
+from commsched.layout.setting import LayoutSetting
+from commsched.planning.cost_model import Setting
 from commsched.profiling.model import scaled_compute
 from commsched.profiling.profile import Profile
-from commsched.simulator import Cluster, DDPConfig, simulate
+from commsched.simulator import Cluster, DDPConfig, bound_s, simulate
+from commsched.simulator.search import best_strategy
 from commsched.strategy import Strategy
 
 SYSTEMS = (
     ComputeOnly(),
     TorchDDP(),
+    *(TorchDDP(mb) for mb in DDP_SWEEP_MB),
     Commsched(Strategy()),
     Commsched(Strategy(partition_mb=4.0, credit_mb=16.0, adaptive=False), "4 MiB partitions"),
     Commsched(Strategy(overlap_forward=False, adaptive=False), "no forward overlap"),
@@ -74,7 +81,7 @@ def strategy_in_use(system: Commsched, partitioning: str | None, layout: dict | 
 
 def simulated_s(system: object, profile: Profile, cluster: Cluster, measured: dict) -> float:
     if isinstance(system, TorchDDP):
-        return simulate(profile, cluster, DDPConfig()).iteration_s
+        return simulate(profile, cluster, DDPConfig.like_torch(system.bucket_cap_mb)).iteration_s
     assert isinstance(system, Commsched)
     used = strategy_in_use(system, measured.get("partitioning"), measured.get("layout_in_use"))
     return simulate(profile, cluster, used).iteration_s
@@ -105,6 +112,47 @@ def compare_cell(cell: Cell, run: dict) -> list[dict]:
                      "error": (predicted_s - measured_s) / measured_s,
                      "calibrated_ms": calibrated_s * 1e3, "calibrated_error": (calibrated_s - measured_s) / measured_s})
     return rows
+
+
+def versus_best_ddp(cell: Cell, run: dict) -> dict:
+    """One measured cell: commsched's default against the fastest torch DDP bucket size, and the
+    layout the default kept."""
+    median_s = {name: statistics.median(r["iteration_times_s"]) for name, r in run["systems"].items()
+                if r.get("iteration_times_s")}
+    ddp = {s.name: median_s[s.name] for s in SYSTEMS if isinstance(s, TorchDDP) and s.name in median_s}
+    best = min(ddp, key=ddp.get)
+    default = next(s for s in SYSTEMS if isinstance(s, Commsched) and s.strategy == Strategy())
+    kept = strategy_in_use(default, run["systems"][default.name].get("partitioning"),
+                           run["systems"][default.name].get("layout_in_use"))
+    cpu = run.get("cpu") or {}
+    profile = Profile.from_dict(run["profile"])
+    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    _, fastest = best_strategy(profile, cluster)
+    return {"model": cell.model, "hosts": cell.hosts, "gbit": cell.rate_gbit, "best_ddp": best,
+            "bound_ms": bound_s(profile, cluster) * 1e3, "best_schedule_ms": fastest.iteration_s * 1e3,
+            "best_ddp_ms": ddp[best] * 1e3, "commsched_ms": median_s[default.name] * 1e3,
+            "compute_ms": median_s[ComputeOnly().name] * 1e3, "speedup": ddp[best] / median_s[default.name],
+            "kept": Setting.of(LayoutSetting.of(kept)).describe(), "cpu_median": cpu.get("median")}
+
+
+BEST_SCHEDULE_NOTE = (
+    "The simulated bound is max(compute, one all-reduce of every gradient) on the cell's profile and link; "
+    "the simulated best schedule is the fastest Strategy of `commsched.simulator.search.strategy_space` there "
+    "(gradients exist only once the backward pass makes them, and each collective pays the link's fixed "
+    "cost): no schedule the simulator knows comes nearer the bound.\n")
+
+
+def versus_markdown(cells: list[dict]) -> str:
+    lines = ["| model | hosts | Gbit/s | compute ms | best DDP ms | commsched ms | vs best DDP | kept | "
+             "simulated bound ms | simulated best schedule ms | commsched / best schedule | CPU busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        busy = "" if c["cpu_median"] is None else f"{c['cpu_median']:.0%}"
+        lines.append(f"| {c['model']} | {c['hosts']} | {c['gbit']:g} | {c['compute_ms']:.0f} | {c['best_ddp_ms']:.0f} "
+                     f"({c['best_ddp'].removeprefix('torch DDP').lstrip(', ') or 'default'}) | "
+                     f"{c['commsched_ms']:.0f} | {c['speedup']:.2f}x | {c['kept']} | {c['bound_ms']:.0f} | "
+                     f"{c['best_schedule_ms']:.0f} | {c['commsched_ms'] / c['best_schedule_ms']:.2f} | {busy} |")
+    return "\n".join(lines) + "\n\n" + BEST_SCHEDULE_NOTE
 
 
 def markdown(rows: list[dict]) -> str:
@@ -142,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_runs:
         record = json.loads(args.from_runs.read_text())
-        print(markdown([row for entry in record for row in compare_cell(Cell(**entry["cell"]), entry["run"])]))
+        print(report(record))
         return 0
     from commsched.bench.cluster import unavailable_reason
 
@@ -151,17 +199,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validate_simulator: {reason}; the emulated cluster needs it", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    record, rows = [], []
+    record = []
     for hosts, model, rate in itertools.product(args.hosts, args.models, args.rates_gbit):
         cell = Cell(model, rate, hosts, BATCH[model], 0)
         print(f"{model}, {hosts} hosts, {rate:g} Gbit/s ...", flush=True)
         run = run_cell(cell, SYSTEMS, args.rounds, args.iterations, args.warmup, args.timeout_s, profile=True)
-        rows += compare_cell(cell, run)
         record.append({"cell": dataclasses.asdict(cell), "run": run})
         (args.out / "runs.json").write_text(json.dumps(record, indent=1))
-        (args.out / "validation.md").write_text(markdown(rows))
-    print(markdown(rows))
+        (args.out / "validation.md").write_text(report(record))
+    print(report(record))
     return 0
+
+
+def report(record: list[dict]) -> str:
+    """The simulator's errors on every system of every cell, then commsched against the best DDP."""
+    cells = [(Cell(**entry["cell"]), entry["run"]) for entry in record]
+    rows = [row for cell, run in cells for row in compare_cell(cell, run)]
+    return (markdown(rows) + "\nMeasured: commsched's default against the fastest torch DDP bucket size\n\n"
+            + versus_markdown([versus_best_ddp(cell, run) for cell, run in cells]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ next forward pass would wait for it. They cost too: buckets are capped at the
 partition size, so there are more, smaller collectives, each with its latency
 and its host work. Where communication hides behind compute anyway (a fast
 link, a small model), that cost is all that is left. So, at the end of warm-up,
-each candidate setting (the configured one, coarser partitions, whole buckets,
+each candidate setting (the configured one, coarser partitions, finer ones with
+a credit window of one partition, whole buckets,
 and the bucket sizes torch DDP users sweep: a fifth and a twenty-fifth of the
 configured size, where slow links want more overlap, and for many hosts, where
 each collective pays a latency per hop of the ring, whole buckets without the
@@ -50,6 +51,10 @@ from commsched.strategy import MIB, Strategy
 
 COARSER_FACTOR = 4
 """The middle candidate: partitions (and credit) this many times the configured ones."""
+
+FINER_FACTOR = 2
+"""The finest candidate: partitions this many times smaller than the configured ones, with a credit
+window of one partition, so that the most urgent ready partition always goes next."""
 
 COLLECTIVE_HOST_S = 1e-4
 """The training thread's own work per collective (issuing it, its callbacks, the update it starts):
@@ -183,7 +188,8 @@ def measured_choice(iteration_s: Mapping[T, float], whole: T) -> T:
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,
                first_bucket_mb: float | None = None) -> list[Setting]:
-    """The configured setting, a coarser one, whole buckets (each once); and, where the gradients
+    """The configured setting, a coarser one, a finer one with a credit of one partition, whole
+    buckets (each once); and, where the gradients
     (``gradient_bytes``) fill more than one bucket of each size, the bucket sizes torch DDP users
     sweep, sent whole, the first as large as the others (as ``DistributedDataParallel(bucket_cap_mb=...)``
     lays them out): `SMALLER_BUCKETS`, the configured ``bucket_cap_mb`` (where the configured first
@@ -194,6 +200,8 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
         found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
+        finer = configured.partition_mb / FINER_FACTOR
+        found.append(Setting(finer, finer))
     found.append(Setting(None, None))
     if bucket_cap_mb is not None:
         for divisor in SMALLER_BUCKETS:

@@ -32,9 +32,10 @@ def decide(params, line: Timeline, overlap: bool = True):
     return choose(LayoutSetting.of(strategy), strategy.priority, params, list(range(len(params))), line)
 
 
-def test_candidates_are_configured_coarser_and_whole_buckets_once():
-    assert candidates(CONFIGURED) == [CONFIGURED, Setting(4.0, 16.0), WHOLE]
-    assert candidates(Setting(2.0, None)) == [Setting(2.0, None), Setting(8.0, None), WHOLE]
+def test_candidates_are_configured_coarser_finer_and_whole_buckets_once():
+    assert candidates(CONFIGURED) == [CONFIGURED, Setting(4.0, 16.0), Setting(0.5, 0.5), WHOLE]
+    assert candidates(Setting(2.0, None)) == [Setting(2.0, None), Setting(8.0, None), Setting(1.0, 1.0), WHOLE]
+    assert candidates(Setting(0.5, 0.5)) == [Setting(0.5, 0.5), Setting(2.0, 2.0), Setting(0.25, 0.25), WHOLE]
     assert candidates(WHOLE) == [WHOLE]
 
 
