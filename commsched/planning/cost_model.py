@@ -47,7 +47,7 @@ from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.setting import LayoutSetting
 from commsched.planning.schedule import LinkModel, simulate_schedule
-from commsched.strategy import MIB, Strategy
+from commsched.strategy import MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, Strategy
 
 COARSER_FACTOR = 4
 """The middle candidate: partitions (and credit) this many times the configured ones."""
@@ -195,18 +195,20 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
     lays them out): `SMALLER_BUCKETS`, the configured ``bucket_cap_mb`` (where the configured first
     bucket, ``first_bucket_mb``, is smaller), and `COARSER_FACTOR` times as large. At many hosts each collective costs a latency per
     hop of the ring: fewer, larger buckets are what DDP users tune for it; where the links are
-    slow, smaller ones overlap more of the backward pass."""
+    slow, smaller ones overlap more of the backward pass. No candidate is below the sizes a
+    `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
         found.append(Setting(configured.partition_mb * COARSER_FACTOR, credit))
         finer = configured.partition_mb / FINER_FACTOR
-        found.append(Setting(finer, finer))
+        if finer >= MIN_PARTITION_MB:
+            found.append(Setting(finer, finer))
     found.append(Setting(None, None))
     if bucket_cap_mb is not None:
         for divisor in SMALLER_BUCKETS:
             size = bucket_cap_mb / divisor
-            if gradient_bytes > size * MIB:
+            if size >= MIN_BUCKET_MB and gradient_bytes > size * MIB:
                 found.append(Setting(None, None, size))
         if first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb and gradient_bytes > first_bucket_mb * MIB:
             found.append(Setting(None, None, bucket_cap_mb))

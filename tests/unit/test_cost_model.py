@@ -7,9 +7,9 @@ import dataclasses
 import torch
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Setting, Timeline, candidates, choose
+from commsched.planning.cost_model import Setting, Timeline, applied, candidates, choose
 from commsched.planning.schedule import LinkModel
-from commsched.strategy import MIB, Strategy
+from commsched.strategy import MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, Strategy
 
 CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
 WHOLE = Setting(None, None)
@@ -37,6 +37,16 @@ def test_candidates_are_configured_coarser_finer_and_whole_buckets_once():
     assert candidates(Setting(2.0, None)) == [Setting(2.0, None), Setting(8.0, None), Setting(1.0, 1.0), WHOLE]
     assert candidates(Setting(0.5, 0.5)) == [Setting(0.5, 0.5), Setting(2.0, 2.0), Setting(0.25, 0.25), WHOLE]
     assert candidates(WHOLE) == [WHOLE]
+
+
+def test_no_candidate_is_smaller_than_a_strategy_accepts():
+    """Tiny partitions and one bucket per tensor (a byte's cap) have no finer or smaller candidates."""
+    tiny = Setting(MIN_PARTITION_MB, MIN_PARTITION_MB)
+    assert candidates(tiny) == [tiny, Setting(4 * MIN_PARTITION_MB, 4 * MIN_PARTITION_MB), WHOLE]
+    assert candidates(WHOLE, MIN_BUCKET_MB, MIB, MIN_BUCKET_MB) == [WHOLE, Setting(None, None, 4 * MIN_BUCKET_MB)]
+    for setting in candidates(tiny, MIN_BUCKET_MB, MIB, MIN_BUCKET_MB):
+        applied(Strategy(partition_mb=MIN_PARTITION_MB, credit_mb=MIN_PARTITION_MB, bucket_cap_mb=MIN_BUCKET_MB,
+                         first_bucket_mb=MIN_BUCKET_MB), setting)  # a Strategy accepts each
 
 
 def test_bucket_sizes_ddp_users_sweep_are_candidates_where_the_gradients_fill_more_than_one():
