@@ -213,6 +213,37 @@ def case_link_measured_without_activations(rank, world_size):
     commsched.release(model)
 
 
+def case_bucket_sizes_reach_every_rank(rank, world_size):
+    """Rank 0's choice of bucket sizes (the first one of its own size, or as large as the others)
+    and its runner-up reach every rank whole, and each is laid out while on trial."""
+    chosen = cost_model.Setting(None, None, 0.002, 0.001)
+    runner_up = cost_model.Setting(None, None, 0.008)
+    real_choose = plans.choose
+    plans.choose = lambda *args, **kwargs: cost_model.Choice(chosen, (), runner_up)
+    try:
+        torch.manual_seed(0)
+        model = ParityNet()
+        reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adam"])
+        model, optimizer = commsched.prepare(model, OPTIMIZERS["adam"](model.parameters()), TINY)
+        trials = 3 * confirmation.ROUNDS * (SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS)
+        used = []
+        for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + trials + 2)):
+            local_step(model, optimizer, x, y, iteration, rank)
+            reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+            status = commsched.status(model)
+            used.append((status.partition_mb, status.bucket_cap_mb, status.first_bucket_mb))
+    finally:
+        plans.choose = real_choose
+    trial = SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS
+    expected = [(None, 0.002, 0.001), (None, 0.008, 0.008), (None, TINY.bucket_cap_mb, TINY.first_bucket_mb)]
+    assert used[WARMUP_ITERATIONS:WARMUP_ITERATIONS + trials:trial] == expected * confirmation.ROUNDS, used
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, used)
+    assert all(other == used for other in gathered), gathered
+
+
 def cases_across_the_change(rank: int, world_size: int) -> None:
     cases = {}
     for loop in LOOPS:
@@ -237,6 +268,7 @@ def cases_across_the_change(rank: int, world_size: int) -> None:
         case_link_measured_without_activations, rank, world_size)
     cases["partitions measured against whole buckets"] = functools.partial(
         case_partitions_measured_against_whole_buckets, rank, world_size)
+    cases["bucket sizes reach every rank"] = functools.partial(case_bucket_sizes_reach_every_rank, rank, world_size)
     run_subtests(cases)
 
 
