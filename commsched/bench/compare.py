@@ -153,17 +153,11 @@ class _FigureLog:
         result.update_s = [self._figures[i].update_s for i in measured]
 
 
-def _partitioning(model: torch.nn.Module) -> str | None:
-    """What commsched's cost model chose, if this version's `commsched.status` tells."""
-    return getattr(commsched.status(model), "partitioning", None) or None
-
-
 LAYOUT_FIELDS = ("partition_mb", "credit_mb", "bucket_cap_mb", "first_bucket_mb")
 
 
-def _layout_in_use(model: torch.nn.Module) -> dict | None:
+def _layout_in_use(status: object) -> dict | None:
     """The sizes of `LAYOUT_FIELDS` in use, if this version's `commsched.status` tells."""
-    status = commsched.status(model)
     if not all(hasattr(status, name) for name in LAYOUT_FIELDS):
         return None
     return {name: getattr(status, name) for name in LAYOUT_FIELDS}
@@ -216,9 +210,10 @@ class Run:
         sharding = None
         if self._figures is not None:
             self._figures.write_into(self.result)
-            self.result.partitioning = _partitioning(self.model)
-            self.result.layout_in_use = _layout_in_use(self.model)
-            sharding = getattr(commsched.status(self.model), "sharding", None)
+            status = commsched.status(self.model)
+            self.result.partitioning = getattr(status, "partitioning", None) or None
+            self.result.layout_in_use = _layout_in_use(status)
+            sharding = getattr(status, "sharding", None)
         self.result.sharding = None if sharding is None else asdict(sharding)
         self.result.optimizer_state_bytes = (optimizer_state_bytes(self.optimizer) if sharding is None
                                              else sharding.state_bytes)

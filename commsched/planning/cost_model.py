@@ -4,34 +4,33 @@ Pure logic, no process group: rank 0 calls `choose` and publishes the result
 (`commsched.planning.plans.choose_on_rank0`).
 
 [Note: the cost model] Partitions and the credit window let urgent gradients
-overtake large, late ones, which pays when the link is busy enough that the
-next forward pass would wait for it. They cost too: buckets are capped at the
+overtake large, late ones, which pays when the link is busy enough that the next
+forward pass would wait for it. They cost too: buckets are capped at the
 partition size, so there are more, smaller collectives, each with its latency
-and its host work. Where communication hides behind compute anyway (a fast
-link, a small model), that cost is all that is left. So, at the end of warm-up,
-each candidate setting (the configured one, coarser partitions, finer ones with
-a credit window of one partition, whole buckets,
-and the bucket sizes torch DDP users sweep: a fifth and a twenty-fifth of the
-configured size, where slow links want more overlap, and for many hosts, where
-each collective pays a latency per hop of the ring, whole buckets without the
-small first one, and four times the configured size) is replayed on rank 0's measured timeline: per parameter, when its gradient
-became ready in the backward pass; how long the forward pass took; the link's
-latency and bandwidth. The predicted cost of a candidate is how long the
-training thread would wait for communication (at the end of backward without
+and its host work. Where communication hides behind compute anyway (a fast link,
+a small model), that cost is all that is left. So, at the end of warm-up, each
+candidate setting (the configured one, coarser partitions, finer ones with a
+credit window of one partition, whole buckets, and the bucket sizes torch DDP
+users sweep: a fifth and a twenty-fifth of the configured size, where slow links
+want more overlap, and for many hosts, where each collective pays a latency per
+hop of the ring, whole buckets without the small first one, and four times the
+configured size) is replayed on rank 0's measured timeline: per parameter, when
+its gradient became ready in the backward pass; how long the forward pass took;
+the link's latency and bandwidth. The predicted cost of a candidate is how long
+the training thread would wait for communication (at the end of backward without
 forward overlap; at the forward pass's layers with it, assuming the forward pass
-reaches each parameter in proportion to the bytes before it), plus the host
-work of the collectives, plus the computation that communication slows down by
-running beside it: its time beside the backward and the next forward pass
-times the CPU share of the transport, measured as the process's CPU time per
-second of an all-reduce. The host work of a collective is commsched's own
+reaches each parameter in proportion to the bytes before it), plus the host work
+of the collectives, plus the computation that communication slows down by
+running beside it: its time beside the backward and the next forward pass times
+the CPU share of the transport, measured as the process's CPU time per second of
+an all-reduce. The host work of a collective is commsched's own
 (`COLLECTIVE_HOST_S`) plus its fixed cost (the link's latency) times that share
 too: on loopback the fixed cost is the host's own copying and bookkeeping, but
 among many hosts on a wire it is mostly the ring's hops, which the waiting
 already counts where they delay anything and which cost the host nothing where
-they do not. On a GPU cluster that share is small and
-overlap is nearly free; on loopback, where the link is the host's own CPU, it
-is large and overlapping hides almost nothing. The cheapest wins; a tie goes to
-fewer collectives.
+they do not. On a GPU cluster that share is small and overlap is nearly free; on
+loopback, where the link is the host's own CPU, it is large and overlapping
+hides almost nothing. The cheapest wins; a tie goes to fewer collectives.
 """
 
 from __future__ import annotations
@@ -178,25 +177,23 @@ def measured_choice(iteration_s: Mapping[T, float], whole: T) -> T:
     them), the fastest other than ``whole`` if it beats ``whole`` by `CONFIRMATION_MARGIN`, else
     ``whole``: the rule a run applies to its measurements ([Note: confirming the choice] in
     `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's."""
-    others = [(seconds, i) for i, (setting, seconds) in enumerate(iteration_s.items()) if setting != whole]
+    others = [setting for setting in iteration_s if setting != whole]
     if whole not in iteration_s or not others:
         return whole
-    fastest_s, index = min(others)
-    fastest = list(iteration_s)[index]
-    return fastest if fastest_s < iteration_s[whole] * (1 - CONFIRMATION_MARGIN) else whole
+    fastest = min(others, key=iteration_s.__getitem__)
+    return fastest if iteration_s[fastest] < iteration_s[whole] * (1 - CONFIRMATION_MARGIN) else whole
 
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,
                first_bucket_mb: float | None = None) -> list[Setting]:
-    """The configured setting, a coarser one, a finer one with a credit of one partition, whole
-    buckets (each once); and, where the gradients
-    (``gradient_bytes``) fill more than one bucket of each size, the bucket sizes torch DDP users
-    sweep, sent whole, the first as large as the others (as ``DistributedDataParallel(bucket_cap_mb=...)``
-    lays them out): `SMALLER_BUCKETS`, the configured ``bucket_cap_mb`` (where the configured first
-    bucket, ``first_bucket_mb``, is smaller), and `COARSER_FACTOR` times as large. At many hosts each collective costs a latency per
-    hop of the ring: fewer, larger buckets are what DDP users tune for it; where the links are
-    slow, smaller ones overlap more of the backward pass. No candidate is below the sizes a
-    `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
+    """The configured setting, a coarser one, a finer one with a credit of one partition, whole buckets (each
+    once); and, where the gradients (``gradient_bytes``) fill more than one bucket of each size, the bucket
+    sizes torch DDP users sweep, sent whole, the first as large as the others (as
+    ``DistributedDataParallel(bucket_cap_mb=...)`` lays them out): `SMALLER_BUCKETS`, the configured
+    ``bucket_cap_mb`` (where the configured first bucket, ``first_bucket_mb``, is smaller), and `COARSER_FACTOR`
+    times as large. At many hosts each collective costs a latency per hop of the ring: fewer, larger buckets are
+    what DDP users tune for it; where the links are slow, smaller ones overlap more of the backward pass. No
+    candidate is below the sizes a `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR

@@ -105,7 +105,8 @@ def test_the_profile_as_emulated_has_the_nets_sizes_and_scaled_times(workload):
     assert as_run.gradient_bytes == emulated.gradient_bytes
     assert as_run.forward_s + as_run.backward_s == pytest.approx(emulated.compute_s)
     times = [t for a in as_run.parameters for t in (a.ready_s, a.first_use_s)]
-    assert times == pytest.approx([t * emulated.time_scale for p in profile.parameters for t in (p.ready_s, p.first_use_s)])
+    scaled = [t * emulated.time_scale for p in profile.parameters for t in (p.ready_s, p.first_use_s)]
+    assert times == pytest.approx(scaled)
 
 
 @pytest.mark.parametrize("workload", sorted(EMULATED_WORKLOADS))
