@@ -69,9 +69,13 @@ class Dispatcher:
         self._backward_running = False
 
     def forget_in_flight(self) -> None:
-        """Let go of the handles of partitions in flight (see `BackwardPass.drop_handles`)."""
+        """Let go of the handles of partitions in flight, and of the pass's ``launch``: the pass is
+        over (see `BackwardPass.drop_handles`). The pass holds this dispatcher and ``launch`` holds
+        the pass, so keeping it would leave the pass, and the buckets it holds, to the cyclic
+        garbage collector."""
         with self._lock:
             self._executor.forget_in_flight()
+            self._launch = _launch_after_pass
 
     def issue_remaining(self) -> None:
         """Issue every partition left, whatever the window; raise what a completion thread hit.
@@ -141,3 +145,7 @@ class Dispatcher:
 
 def _is_completed(handle: Handle) -> bool:
     return handle.is_completed()
+
+
+def _launch_after_pass(partition: Partition) -> Handle:
+    raise RuntimeError(f"partition {partition} was issued after its backward pass was over")

@@ -18,7 +18,6 @@ Join's support and the shutdown.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -173,11 +172,10 @@ class GradientReducer:
             # Let go of the old buckets first: with the activations of a forward pass
             # alive, old and new buffers together would raise the peak memory by one
             # copy of every gradient. (Gradients still in them move bucket by bucket.)
-            # The finished passes that held them are in reference cycles with their
-            # completion callbacks: only a collection frees them (once per layout).
+            # Nothing that holds them is in a reference cycle (a finished pass lets go
+            # of its dispatcher's launch), so they go here, without a collection.
             self.layout = None
             self.policy.detach()
-            gc.collect()
         layout = build_layout(
             self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
             lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
