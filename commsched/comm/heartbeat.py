@@ -10,6 +10,15 @@ a rank whose counter did not move is dead, stopped, or cut off; one that beats
 but has not begun this rank's iteration is busy elsewhere; the error names
 them. Nothing runs per iteration; a failure costs `SILENCE_S` more.
 
+[Note: store clients are reused] A heartbeat needs two clients of the job's
+store (one for its thread, one to clone for a survivor's watch), and each new
+client is a connection to the store's server, which stalls a new connection
+for about 5 s after a dozen or so have closed (torch 2.13's TCPStore, measured
+on loopback). A process that prepares many models (a sweep, a test suite)
+would pay that every few prepare() calls. So a heartbeat that stops gives its
+clients back (`_IdleClients`), and the next one on the same job's store takes
+them.
+
 [Note: keys of this job only] The store may outlive a job (torchrun's agent
 hosts it across restarts) and be shared with other users of it. So every key
 lives under the job's prefix (the one torch gives the default group's store,
@@ -78,6 +87,40 @@ def store_clock(store: dist.Store) -> int:
     return store.add(_CLOCK_KEY, 1)
 
 
+class _IdleClients:
+    """Clients of the job's store that stopped heartbeats gave back, per store they were cloned
+    from (see [Note: store clients are reused]). Holds no reference to that store: a destroyed
+    group's store (and on rank 0 its server) must go."""
+
+    MAX_IDLE = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple[int, dist.Store]] = []
+
+    def take(self, origin: dist.Store) -> dist.Store:
+        """An idle client of ``origin`` that still answers, or a new clone of it."""
+        while True:
+            with self._lock:
+                index = next((i for i, (key, _) in enumerate(self._idle) if key == id(origin)), None)
+                client = None if index is None else self._idle.pop(index)[1]
+            if client is None:
+                return origin.clone()
+            try:
+                client.check([_CLOCK_KEY])  # a server that went (and an id reused since) fails here
+                return client
+            except Exception:  # noqa: BLE001 - a dead client: drop it, try the next
+                continue
+
+    def give_back(self, origin: dist.Store, client: dist.Store) -> None:
+        with self._lock:
+            if len(self._idle) < self.MAX_IDLE:
+                self._idle.append((id(origin), client))
+
+
+_IDLE_CLIENTS = _IdleClients()
+
+
 class Heartbeat:
     """This rank's beat into the job's store, and, after a failure, who else still beats.
 
@@ -87,15 +130,17 @@ class Heartbeat:
     """
 
     def __init__(self, host: str, port: int, rank: int, peers: Sequence[int], store: dist.Store | None = None):
-        """``store``: a client of the job's store under its prefix, of this heartbeat's own (cloned for
-        each connection; None: the bare store at ``host``:``port``)."""
+        """``store``: the job's store under its prefix (the default group's), whose clients this
+        heartbeat takes from those others gave back, or clones (see [Note: store clients are
+        reused]); None: new clients of the bare store at ``host``:``port``."""
         self._address = (host, port)
         self._rank = rank
         self._peers = [peer for peer in peers if peer != rank]
         self._stop = threading.Event()
-        self._template = _connect(host, port, STORE_REACH_S) if store is None else store
+        self._origin = store
+        self._template = _connect(host, port, STORE_REACH_S) if store is None else _IDLE_CLIENTS.take(store)
         self._template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
-        self._store = self._template.clone()
+        self._store = self._template.clone() if store is None else _IDLE_CLIENTS.take(store)
         self._store.set_timeout(datetime.timedelta(seconds=BEAT_WRITE_S))
         self._joined = store_clock(self._store)
         """Marks written at or before this tick were left by an earlier job (see [Note: keys of this job only])."""
@@ -111,10 +156,9 @@ class Heartbeat:
         if address is None:
             return None
         try:
-            store = job_store(STORE_REACH_S)
-            if store is None:
-                return None
-            return cls(*address, dist.get_rank(), dist.get_process_group_ranks(group), store)
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return cls(*address, dist.get_rank(), dist.get_process_group_ranks(group), _get_default_store())
         except RuntimeError:  # the store takes no more clients: train on, failures just name no rank
             logger.warning("commsched: no heartbeat (could not connect to the job's store at %s:%d); a "
                            "failed reduction will not name the lost rank", *address, exc_info=True)
@@ -139,10 +183,17 @@ class Heartbeat:
         """End the thread (idempotent): it must be gone before the interpreter finalizes."""
         self._stop.set()
         self._thread.join(timeout=2 * BEAT_PERIOD_S)
+        if self._origin is not None and self._store is not None and not self._thread.is_alive():
+            _IDLE_CLIENTS.give_back(self._origin, self._store)
+            _IDLE_CLIENTS.give_back(self._origin, self._template)
+            self._template = None
         self._store = None
 
     def lost_peers(self) -> str:
-        """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once)."""
+        """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once;
+        nothing once stopped: this rank no longer beats either)."""
+        if self._verdict is None and self._template is None:
+            return ""
         if self._verdict is None:
             self._verdict = self._watch()
         return self._verdict

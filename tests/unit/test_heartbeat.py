@@ -54,3 +54,25 @@ def test_a_failure_marked_by_an_earlier_job_in_the_same_store_is_not_believed(st
     finally:
         survivor.stop()
     assert "Rank 0 stopped responding" in verdict and "ended after" not in verdict, verdict
+
+
+def test_a_heartbeat_reuses_the_store_clients_a_stopped_one_gave_back(store):
+    """[Note: store clients are reused]: a prepare() after another opens no new connection to the
+    job's store; clients of another job's store are never taken."""
+    job = dist.PrefixStore("job", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+    first = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=job)
+    clients = {id(first._store), id(first._template)}
+    first.stop()
+    second = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=job)
+    try:
+        assert {id(second._store), id(second._template)} == clients
+    finally:
+        second.stop()
+    other_job = dist.PrefixStore("other", dist.TCPStore("127.0.0.1", store.port, is_master=False))
+    third = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=other_job)
+    try:
+        assert not {id(third._store), id(third._template)} & clients
+        third._store.set("written", "under its own prefix")
+        assert other_job.check(["written"]) and not job.check(["written"])
+    finally:
+        third.stop()
