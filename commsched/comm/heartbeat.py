@@ -10,14 +10,14 @@ a rank whose counter did not move is dead, stopped, or cut off; one that beats
 but has not begun this rank's iteration is busy elsewhere; the error names
 them. Nothing runs per iteration; a failure costs `SILENCE_S` more.
 
-[Note: store clients are reused] A heartbeat needs two clients of the job's
-store (one for its thread, one to clone for a survivor's watch), and each new
-client is a connection to the store's server, which stalls a new connection
-for about 5 s after a dozen or so have closed (torch 2.13's TCPStore, measured
-on loopback). A process that prepares many models (a sweep, a test suite)
-would pay that every few prepare() calls. So a heartbeat that stops gives its
-clients back (`_IdleClients`), and the next one on the same job's store takes
-them.
+[Note: store clients are reused] Each new client of the job's store is a
+connection to the store's server, which now and then stalls a new connection
+for about 5 s: after a dozen or so have closed, or a hundred opened (torch
+2.13's TCPStore, measured on loopback). A process that prepares many models (a
+sweep, a test suite) would pay that every few prepare() calls. So the clients
+are kept per job's store (`_StoreClients`): one that only serves to clone more
+(for a survivor's watch) is shared by every heartbeat, and a heartbeat that
+stops gives its own back for the next one to take.
 
 [Note: keys of this job only] The store may outlive a job (torchrun's agent
 hosts it across restarts) and be shared with other users of it. So every key
@@ -87,16 +87,28 @@ def store_clock(store: dist.Store) -> int:
     return store.add(_CLOCK_KEY, 1)
 
 
-class _IdleClients:
-    """Clients of the job's store that stopped heartbeats gave back, per store they were cloned
-    from (see [Note: store clients are reused]). Holds no reference to that store: a destroyed
-    group's store (and on rank 0 its server) must go."""
+class _StoreClients:
+    """Clients of the job's store, per store they were cloned from (see [Note: store clients are
+    reused]). Holds no reference to that store: a destroyed group's store (and on rank 0 its
+    server) must go."""
 
     MAX_IDLE = 8
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[tuple[int, dist.Store]] = []
+        self._templates: dict[int, dist.Store] = {}
+
+    def template(self, origin: dist.Store) -> dist.Store:
+        """The client of ``origin`` that only clones others (a clone does not use its connection),
+        with `STORE_REACH_S` as the limit its clones inherit."""
+        with self._lock:
+            template = self._templates.get(id(origin))
+            if template is None or not _answers(template):
+                template = origin.clone()
+                template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
+                self._templates = {id(origin): template}  # another job's store: its template goes
+            return template
 
     def take(self, origin: dist.Store) -> dist.Store:
         """An idle client of ``origin`` that still answers, or a new clone of it."""
@@ -105,12 +117,9 @@ class _IdleClients:
                 index = next((i for i, (key, _) in enumerate(self._idle) if key == id(origin)), None)
                 client = None if index is None else self._idle.pop(index)[1]
             if client is None:
-                return origin.clone()
-            try:
-                client.check([_CLOCK_KEY])  # a server that went (and an id reused since) fails here
+                return self.template(origin).clone()
+            if _answers(client):
                 return client
-            except Exception:  # noqa: BLE001 - a dead client: drop it, try the next
-                continue
 
     def give_back(self, origin: dist.Store, client: dist.Store) -> None:
         with self._lock:
@@ -118,7 +127,17 @@ class _IdleClients:
                 self._idle.append((id(origin), client))
 
 
-_IDLE_CLIENTS = _IdleClients()
+def _answers(client: dist.Store) -> bool:
+    """Whether ``client``'s server still answers (a kept client of a destroyed group's store, whose
+    ``id`` a new store may have taken since, does not)."""
+    try:
+        client.check([_CLOCK_KEY])
+        return True
+    except Exception:  # noqa: BLE001 - a closed or refused connection
+        return False
+
+
+_STORE_CLIENTS = _StoreClients()
 
 
 class Heartbeat:
@@ -138,9 +157,12 @@ class Heartbeat:
         self._peers = [peer for peer in peers if peer != rank]
         self._stop = threading.Event()
         self._origin = store
-        self._template = _connect(host, port, STORE_REACH_S) if store is None else _IDLE_CLIENTS.take(store)
-        self._template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
-        self._store = self._template.clone() if store is None else _IDLE_CLIENTS.take(store)
+        if store is None:
+            self._template = _connect(host, port, STORE_REACH_S)
+            self._template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
+            self._store = self._template.clone()
+        else:
+            self._template, self._store = _STORE_CLIENTS.template(store), _STORE_CLIENTS.take(store)
         self._store.set_timeout(datetime.timedelta(seconds=BEAT_WRITE_S))
         self._joined = store_clock(self._store)
         """Marks written at or before this tick were left by an earlier job (see [Note: keys of this job only])."""
@@ -184,16 +206,11 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=2 * BEAT_PERIOD_S)
         if self._origin is not None and self._store is not None and not self._thread.is_alive():
-            _IDLE_CLIENTS.give_back(self._origin, self._store)
-            _IDLE_CLIENTS.give_back(self._origin, self._template)
-            self._template = None
+            _STORE_CLIENTS.give_back(self._origin, self._store)
         self._store = None
 
     def lost_peers(self) -> str:
-        """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once;
-        nothing once stopped: this rank no longer beats either)."""
-        if self._verdict is None and self._template is None:
-            return ""
+        """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once)."""
         if self._verdict is None:
             self._verdict = self._watch()
         return self._verdict
