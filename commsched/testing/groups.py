@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from commsched.testing.launch import RanksFailed, rank_store, run_ranks
+from commsched.testing.subtests import end_leftover_watches
 
 SPAWN_MARGIN_S = 60.0
 """On top of the groups' own timeouts: starting the ranks, and their exit."""
@@ -131,6 +132,7 @@ def _run_in_turn(rank: int, world_size: int, groups: list[tuple[str, Group]], di
                 outcome = (False, traceback.format_exc())
             finally:
                 faulthandler.cancel_dump_traceback_later()
+                end_leftover_watches()
             done[name] = (*outcome, time.perf_counter() - started)
             ok = _save(directory, rank, True, done)
             if group.ends_spawn:

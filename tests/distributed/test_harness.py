@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import _get_current_function_mode_stack
 
 from commsched.testing import RanksFailed, run_ranks
 
@@ -33,6 +34,25 @@ def rank0_hangs(rank: int, world_size: int) -> None:
 def rank1_dies(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(3)
+
+
+def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
+    """A case that drops its model within warm-up leaves its read watch on the stack; the next
+    case starts without it."""
+    import commsched
+    from commsched.testing import run_subtests
+
+    def one_step_then_drop() -> None:
+        model = torch.nn.Linear(4, 4)
+        model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        left.append(len(_get_current_function_mode_stack()))
+
+    left: list[int] = []
+    run_subtests({"one step, then dropped": one_step_then_drop,
+                  "the next case": lambda: left.append(len(_get_current_function_mode_stack()))})
+    return left[0], left[1]
 
 
 def gloo_threads_after_destroy(rank: int, world_size: int) -> list[str]:
@@ -70,6 +90,10 @@ def test_a_hanging_rank_is_killed_after_the_timeout():
     with pytest.raises(RanksFailed, match=r"(?s)rank 0 -----\ndid not finish within the time limit"):
         run_ranks(rank0_hangs, 2, timeout_s=8)
     assert time.monotonic() - start < 30
+
+
+def test_a_case_starts_without_the_watches_the_case_before_left():
+    assert run_ranks(watch_left_by_a_case, 2, timeout_s=60) == [(1, 0), (1, 0)]
 
 
 def test_a_dying_rank_is_reported():
