@@ -44,7 +44,9 @@ ITERATIONS = 10
 """Past warm-up (3 iterations) and the plan, so every later phase is exercised."""
 INF_AT = (0, 4, 7)
 """Iterations whose batch holds an inf: the scaler skips them and halves its scale."""
-SLOW_RANK_S = 0.2
+SLOW_RANK_S = 0.05
+"""How long rank 0 waits before a batch with an inf: rank 1's step of such a batch then begins
+while its reductions are still in flight (its own forward and backward take a few milliseconds)."""
 
 
 class Net(nn.Module):
