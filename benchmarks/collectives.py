@@ -12,9 +12,12 @@ Per number of hosts and link rate, a fresh `EmulatedCluster` (the one
 ``commsched bench`` uses; one process per host, gloo on the host's ``eth0``)
 times, on float32 tensors of each size: ``all_reduce``; ``reduce_scatter_single``
 (``reduce_scatter_tensor`` before torch 2.13) into a 1/N chunk; ``reduce_scatter``
-of the tensor's N chunks as a list (left out where gloo refuses it); and
-``all_gather_single`` (``all_gather_into_tensor``) of a 1/N chunk into the
-tensor. All concern the same bytes. Without root (or with ``--loopback``) the
+of the tensor's N chunks as a list (left out where gloo refuses it); two
+reduce-scatters built from other collectives, to see what gloo's transport can
+do: ``all_to_all_single`` of the N chunks followed by a local sum, and a ring of
+``isend``/``irecv`` (N-1 steps, each passing one accumulated chunk to the next
+rank); and ``all_gather_single`` (``all_gather_into_tensor``) of a 1/N chunk into
+the tensor. All concern the same bytes. Without root (or with ``--loopback``) the
 ranks run on this machine's loopback instead, unshaped.
 
 Every round runs every size, and per size the collectives take turns (the
@@ -42,7 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_list", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring",
+       "all_gather")
+REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring")
 MIB = 2**20
 
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -55,10 +60,33 @@ def _collectives(elements: int, world_size: int) -> dict[str, Callable[[], objec
     """The timed collectives on preallocated tensors of ``elements`` float32 (a multiple of the world size)."""
     full, chunk = torch.ones(elements), torch.ones(elements // world_size)
     pieces = list(full.chunk(world_size))
+    exchanged, passed_on = torch.empty(elements), torch.empty(elements // world_size)
+
+    def reduce_scatter_a2a() -> None:
+        """Each rank receives every rank's copy of its chunk, then sums them."""
+        dist.all_to_all_single(exchanged, full)
+        torch.sum(exchanged.view(world_size, -1), dim=0, out=chunk)
+
+    def reduce_scatter_ring() -> None:
+        """In step s, rank r sends its running sum of chunk r-s-1 to rank r+1 and adds what rank r-1
+        sends (chunk r-s-2) to its own; after N-1 steps chunk r is summed on rank r."""
+        rank = dist.get_rank()
+        running = exchanged.copy_(full).view(world_size, -1)
+        for step in range(world_size - 1):
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, running[(rank - step - 1) % world_size], (rank + 1) % world_size),
+                dist.P2POp(dist.irecv, passed_on, (rank - 1) % world_size)])
+            for work in works:
+                work.wait()
+            running[(rank - step - 2) % world_size] += passed_on
+        chunk.copy_(running[rank])
+
     return {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: reduce_scatter_single(chunk, full),
         "reduce_scatter_list": lambda: dist.reduce_scatter(chunk, pieces),
+        "reduce_scatter_a2a": reduce_scatter_a2a,
+        "reduce_scatter_ring": reduce_scatter_ring,
         "all_gather": lambda: all_gather_single(full, chunk),
     }
 
@@ -152,7 +180,7 @@ def rows(hosts: int, rate_gbit: float | None, times: dict) -> list[dict]:
         row = {"hosts": hosts, "link": "loopback" if rate_gbit is None else f"{rate_gbit:g} Gbit/s",
                "size_mib": float(size), "wire_ms": wire_ms(float(size), hosts, rate_gbit),
                **{f"{op}_ms": statistics.median(seconds) * 1e3 for op, seconds in by_op.items()}}
-        for op in ("reduce_scatter", "reduce_scatter_list"):
+        for op in REDUCE_SCATTERS:
             if op in by_op:
                 row[f"{op}/all_reduce"] = _ratio([by_op[op]], [ar])
                 row[f"({op}+all_gather)/(all_reduce+all_gather)"] = _ratio([by_op[op], ag], [ar, ag])
@@ -166,9 +194,13 @@ COLUMNS = {
     "reduce_scatter/all_reduce": "RS / AR", "(reduce_scatter+all_gather)/(all_reduce+all_gather)": "(RS+AG) / (AR+AG)",
     "reduce_scatter_list/all_reduce": "RS list / AR",
     "(reduce_scatter_list+all_gather)/(all_reduce+all_gather)": "(RS list+AG) / (AR+AG)",
+    "reduce_scatter_a2a_ms": "RS a2a ms", "reduce_scatter_a2a/all_reduce": "RS a2a / AR",
+    "(reduce_scatter_a2a+all_gather)/(all_reduce+all_gather)": "(RS a2a+AG) / (AR+AG)",
+    "reduce_scatter_ring_ms": "RS p2p ring ms", "reduce_scatter_ring/all_reduce": "RS p2p ring / AR",
+    "(reduce_scatter_ring+all_gather)/(all_reduce+all_gather)": "(RS p2p ring+AG) / (AR+AG)",
 }
 """Row key: column heading (AR all_reduce, RS reduce_scatter_single, RS list: reduce_scatter of a list
-of chunks, AG all_gather_single)."""
+of chunks, RS a2a: all_to_all_single and a sum, RS p2p ring: isend/irecv around a ring, AG all_gather_single)."""
 
 
 def markdown(table: list[dict]) -> str:
