@@ -24,8 +24,10 @@ world size or by plain torch.optim, and keeps this rank's fragments;
 Why ZeRO-1 and not ZeRO-2 (reduce-scatter of gradients): with gloo,
 ``reduce_scatter_tensor`` takes longer than an ``all_reduce`` of the same
 tensor (`benchmarks/collectives.py`), so a reduce-scatter and an all-gather
-cost more than an all-reduce and an all-gather; and full averaged gradients
-keep every loop exact.
+cost more than an all-reduce and an all-gather; one built from a ring of
+``isend``/``irecv`` would save about a quarter of that from 4 hosts on and
+nothing at 2 (docs/benchmarks.md, "Why not reduce-scatter (ZeRO-2) on gloo");
+and full averaged gradients keep every loop exact.
 """
 
 from __future__ import annotations
