@@ -63,10 +63,25 @@ def gloo_threads_after_destroy(rank: int, world_size: int) -> list[str]:
     optimizer.step()
     dist.all_reduce(torch.ones(2))
     dist.destroy_process_group()
+    # Freed while the rank runs, not at the interpreter's finalization: gloo's loop thread may take
+    # a moment to end once destroy_process_group() returns (seen once, on a loaded machine).
+    deadline = time.monotonic() + GLOO_THREADS_END_WITHIN_S
+    while (left := _gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+GLOO_THREADS_END_WITHIN_S = 5.0
+
+
+def _gloo_threads() -> list[str]:
     names = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as comm:
-            names.append(comm.read().strip())
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except FileNotFoundError:  # the thread ended as we read
+            continue
     return [name for name in names if "gloo" in name]
 
 
