@@ -47,6 +47,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from commsched.bench.models import WORKLOADS
 from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import AllReduce, Strategy
 
@@ -62,6 +63,8 @@ FSDP2 = TorchFSDP2()
 LEARNING_RATE = {"sgd": 0.005, "adam": 1e-3}
 """The bench's SGD learning rate, 0.05, diverges on this model."""
 WORKLOAD = "mlp-22m"
+"""The default model; ``--workload`` takes any of `commsched.bench.models`'s, such as the emulated
+accelerator workloads, whose computation (charged as sleep) is long enough to hide the all-gather."""
 MIB = 2**20
 
 
@@ -108,7 +111,7 @@ def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namesp
     from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
     systems = lineup(args.ddp_bucket_mb, args.fixed_layout)
-    spec = {"workload": WORKLOAD, "batch_size": args.batch_size, "iterations": args.iterations,
+    spec = {"workload": args.workload, "batch_size": args.batch_size, "iterations": args.iterations,
             "rounds": args.rounds, "warmup": args.warmup, "learning_rate": LEARNING_RATE[optimizer],
             "optimizer": optimizer, "systems": [encode(system) for system in systems]}
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=sorted(LEARNING_RATE))
     parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--rate-gbit", type=float, default=1.0, help="every host's link")
+    parser.add_argument("--workload", default=WORKLOAD, choices=sorted(WORKLOADS),
+                        help="the model (default: the 22M-parameter MLP, whose forward pass hides little)")
     parser.add_argument("--batch-size", type=int, default=8, help="per host")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--iterations", type=int, default=2, help="measured, per system per round")
