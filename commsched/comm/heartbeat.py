@@ -122,6 +122,9 @@ class _StoreClients:
                 return client
 
     def give_back(self, origin: dist.Store, client: dist.Store) -> None:
+        """Keep ``client`` for the next heartbeat, with `STORE_REACH_S` as its limit: checking that
+        it still answers must not wait a beat's limit on a hung server."""
+        client.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
         with self._lock:
             if len(self._idle) < self.MAX_IDLE:
                 self._idle.append((id(origin), client))
