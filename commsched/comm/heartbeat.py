@@ -97,18 +97,18 @@ class _StoreClients:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[tuple[int, dist.Store]] = []
-        self._templates: dict[int, dist.Store] = {}
+        self._template: tuple[int, dist.Store] | None = None
+        """The cloning client, with the id of the store it was cloned from (one job's store at a time)."""
 
     def template(self, origin: dist.Store) -> dist.Store:
         """The client of ``origin`` that only clones others (a clone does not use its connection),
         with `STORE_REACH_S` as the limit its clones inherit."""
         with self._lock:
-            template = self._templates.get(id(origin))
-            if template is None or not _answers(template):
+            if self._template is None or self._template[0] != id(origin) or not _answers(self._template[1]):
                 template = origin.clone()
                 template.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
-                self._templates = {id(origin): template}  # another job's store: its template goes
-            return template
+                self._template = (id(origin), template)  # another job's store: its template goes
+            return self._template[1]
 
     def take(self, origin: dist.Store) -> dist.Store:
         """An idle client of ``origin`` that still answers, or a new clone of it."""

@@ -55,6 +55,9 @@ def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
     return left[0], left[1]
 
 
+GLOO_THREADS_END_WITHIN_S = 5.0
+
+
 def gloo_threads_after_destroy(rank: int, world_size: int) -> list[str]:
     """An optimizer's step (which imports torch._dynamo), then the group destroyed: its threads must go."""
     model = torch.nn.Linear(4, 4)
@@ -69,9 +72,6 @@ def gloo_threads_after_destroy(rank: int, world_size: int) -> list[str]:
     while (left := _gloo_threads()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
-
-
-GLOO_THREADS_END_WITHIN_S = 5.0
 
 
 def _gloo_threads() -> list[str]:
