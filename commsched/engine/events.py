@@ -47,6 +47,10 @@ class Observer:
     def bucket_updated(self, bucket: int, start_s: float, end_s: float) -> None:
         """``bucket``'s parameters were updated."""
 
+    def update_waited(self, bucket: int, start_s: float, end_s: float) -> None:
+        """The training thread waited for what ``bucket``'s update started (sharded state's
+        all-gather of the updated parameters): communication not hidden."""
+
     def step_finished(self, start_s: float, end_s: float) -> None:
         """``optimizer.step()`` returned."""
 
@@ -101,6 +105,10 @@ class EventBus(Observer):
     def bucket_updated(self, bucket: int, start_s: float, end_s: float) -> None:
         for observer in self._observers:
             observer.bucket_updated(bucket, start_s, end_s)
+
+    def update_waited(self, bucket: int, start_s: float, end_s: float) -> None:
+        for observer in self._observers:
+            observer.update_waited(bucket, start_s, end_s)
 
     def step_finished(self, start_s: float, end_s: float) -> None:
         for observer in self._observers:

@@ -4,7 +4,8 @@ Rows (``tid``) of one rank's process:
 
 - ``compute``: the iteration, forward and backward per module, ``step``;
 - ``gates``: time the forward pass (or the end of backward, or a synchronize)
-  spent waiting for a reduction: communication that was *not* hidden;
+  spent waiting for a reduction, or for the all-gather of sharded parameters
+  (``gather``): communication that was *not* hidden;
 - ``queue``: per partition, from its bucket being ready to its issue;
 - ``wire``: per partition, from its issue to its completion (recorded by the
   completion callback, so the time is when it really finished);
@@ -160,6 +161,9 @@ class Tracer(Observer):
 
     def bucket_updated(self, bucket: int, start_s: float, end_s: float) -> None:
         self.span("update", f"update b{bucket}", start_s * 1e6, end_s * 1e6)
+
+    def update_waited(self, bucket: int, start_s: float, end_s: float) -> None:
+        self.span("gates", f"gather b{bucket}", start_s * 1e6, end_s * 1e6)
 
     def step_finished(self, start_s: float, end_s: float) -> None:
         self.span("compute", "step", start_s * 1e6, end_s * 1e6)
