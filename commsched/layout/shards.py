@@ -99,7 +99,11 @@ class ShardStatus:
     """Parameter elements in every bucket."""
     state_bytes: int
     """Bytes of optimizer state this rank holds."""
+    whole_buckets: tuple[int, ...] = ()
+    """Buckets whose state every rank keeps whole and updates whole (the first one the forward
+    pass needs, when small: see [Note: the first bucket is not sharded] in `commsched.update.sharded`)."""
 
     def describe(self) -> str:
+        whole = f" (bucket {', '.join(map(str, self.whole_buckets))} whole on every rank)" if self.whole_buckets else ""
         return (f"optimizer state sharded over {self.world_size} ranks: rank {self.rank} owns "
-                f"{self.owned_elements} of {self.total_elements} elements, {self.state_bytes} bytes of state")
+                f"{self.owned_elements} of {self.total_elements} elements{whole}, {self.state_bytes} bytes of state")

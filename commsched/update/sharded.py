@@ -28,6 +28,17 @@ cost more than an all-reduce and an all-gather; one built from a ring of
 ``isend``/``irecv`` would save about a quarter of that from 4 hosts on and
 nothing at 2 (docs/benchmarks.md, "Why not reduce-scatter (ZeRO-2) on gloo");
 and full averaged gradients keep every loop exact.
+
+[Note: the first bucket is not sharded] The bucket the forward pass needs
+first (the input side's, reduced last in backward) has no computation before
+it to hide its all-gather: sharded, each forward pass would begin by waiting
+for the end of backward's last reduction, then that bucket's update, then its
+all-gather, a round trip that dominates for a small bucket. Where the layout
+has more than one bucket and that one holds at most `WHOLE_FIRST_BUCKET_BYTES`,
+every rank keeps its whole state and updates all of it, as the unsharded
+backend does (same averaged gradients, same kernel: the same values on every
+rank), and no all-gather is needed. It costs at most that bucket's state
+again per rank, within the "1/N plus one bucket" that sharding promises.
 """
 
 from __future__ import annotations
@@ -54,6 +65,10 @@ if TYPE_CHECKING:
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
+
+WHOLE_FIRST_BUCKET_BYTES = 2**20
+"""The largest first bucket (in forward order) whose state every rank keeps whole; see
+[Note: the first bucket is not sharded]."""
 
 FullState = dict[torch.nn.Parameter, dict[str, Any]]
 """Per parameter, torch.optim's state for it (whole tensors)."""
@@ -96,6 +111,9 @@ class ShardedUpdate:
         self._kind = optimizer_kind(optimizer)
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._shards: list[BucketShard] = []
+        self._rank, self._world_size = 0, 1
+        self._whole_bucket: int | None = None
+        """The bucket every rank updates whole (see [Note: the first bucket is not sharded])."""
         self._flats: list[torch.Tensor] = []
         self._bucket_params: list[tuple[torch.nn.Parameter, ...]] = []
         self._fragments: list[list[tuple[Fragment, torch.Tensor]]] = []
@@ -112,10 +130,13 @@ class ShardedUpdate:
     def attach(self, layout: GradLayout) -> None:
         """Cut the buckets into chunks and keep this rank's state; where the buckets hold the same
         parameters as before (a new partitioning, credit or order), chunks and state stay as they are."""
-        unchanged = bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
+        order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
+        whole = _whole_bucket(layout, order)
+        unchanged = (bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
+                     and whole == self._whole_bucket)
         if not unchanged:
             held = self._gather_state() if self._shards else self._take_optimizer_state()
-            self._cut(layout, held)
+            self._cut(layout, held, whole)
         self._updater = BucketUpdater(
             self._optimizer,
             [[piece for _, piece in fragments] for fragments in self._fragments],
@@ -126,21 +147,23 @@ class ShardedUpdate:
             bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
                            for fragments in self._fragments],
         )
-        self.update_order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
+        self.update_order = order
         if self._pending_load is not None:
             checkpoint_id, self._pending_load = self._pending_load, None
             self.load_sharded(checkpoint_id)
 
-    def _cut(self, layout: GradLayout, held: FullState) -> None:
+    def _cut(self, layout: GradLayout, held: FullState, whole: int | None) -> None:
         """New chunks: the parameters move into one flat buffer per bucket, and this rank keeps
-        its fragments of ``held`` (the whole state)."""
+        its fragments of ``held`` (the whole state); of bucket ``whole``, everything."""
         group = self._group()
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._rank, self._world_size, self._whole_bucket = rank, world_size, whole
         self._shards, self._flats, self._bucket_params, self._fragments = [], [], [], []
         self._state = defaultdict(dict)
         for index, bucket in enumerate(layout.buckets):
+            # The whole bucket is one rank's in a world of one: no padding, nothing to gather.
             shard = shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
-                                 rank, world_size)
+                                 *((0, 1) if index == whole else (rank, world_size)))
             flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.flat.device)
             with torch.no_grad():
                 for param, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -271,7 +294,10 @@ class ShardedUpdate:
         for shard, params, fragments in zip(self._shards, self._bucket_params, self._fragments, strict=True):
             everyone = [shard_bucket(shard.bucket, range(len(params)), [p.numel() for p in params], rank,
                                      shard.world_size).fragments for rank in range(shard.world_size)]
-            mine = {fragment.position: (fragment, piece) for fragment, piece in fragments}
+            whole = shard.bucket == self._whole_bucket
+            # Every rank holds the whole bucket's state: rank 0 writes it, every rank reads it whole.
+            mine = ({} if whole and not template and self._rank != 0 else
+                    {fragment.position: (fragment, piece) for fragment, piece in fragments})
             for position, param in enumerate(params):
                 group = self._group_of.get(id(param))
                 if group is None:
@@ -286,7 +312,8 @@ class ShardedUpdate:
                     local = None
                     if piece is not None:
                         local = (fragment.start, torch.zeros_like(piece) if template else state[key])
-                    pieces.append(sharded_checkpoint.Piece(f"state.{index}.{key}", param.numel(), local, chunks))
+                    pieces.append(sharded_checkpoint.Piece(f"state.{index}.{key}", param.numel(), local, chunks,
+                                                           whole=whole))
                 if piece is not None and self._kind != "sgd":
                     if template:
                         scalars[f"state.{index}.step"] = torch.zeros((), dtype=torch.float32)
@@ -332,11 +359,11 @@ class ShardedUpdate:
         """The shard layout and this rank's state, once the buckets exist."""
         if not self._shards:
             return None
-        shard = self._shards[0]
         state_bytes = sum(value.numel() * value.element_size() for state in self._state.values()
                           for value in state.values() if isinstance(value, torch.Tensor))
-        return ShardStatus(shard.world_size, shard.rank, tuple(s.chunk for s in self._shards),
-                           sum(s.owned_numel for s in self._shards), sum(s.numel for s in self._shards), state_bytes)
+        return ShardStatus(self._world_size, self._rank, tuple(s.chunk for s in self._shards),
+                           sum(s.owned_numel for s in self._shards), sum(s.numel for s in self._shards), state_bytes,
+                           () if self._whole_bucket is None else (self._whole_bucket,))
 
     def _take_optimizer_state(self) -> FullState:
         """The optimizer's own per-parameter state (loaded, or made before prepare()), moved out of it."""
@@ -407,6 +434,15 @@ class ShardedUpdate:
             if group is not None:
                 keys.extend(key for key in self._keys_of_group(group) if key not in keys)
         return keys
+
+
+def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
+    """The bucket every rank updates whole, if any: see [Note: the first bucket is not sharded]."""
+    if len(order) < 2:
+        return None
+    first = layout.buckets[order[0]]
+    fits = sum(p.numel() * p.element_size() for p in first.params) <= WHOLE_FIRST_BUCKET_BYTES
+    return order[0] if fits else None
 
 
 def _offsets(params: Sequence[torch.Tensor]) -> list[int]:

@@ -41,6 +41,9 @@ class Piece:
     """This rank's fragment: its first element and its values (None: it owns none)."""
     chunks: tuple[tuple[int, int, int], ...]
     """Every rank's fragment: (rank, first element, elements)."""
+    whole: bool = False
+    """Every rank holds all of it (see [Note: the first bucket is not sharded] in
+    `commsched.update.sharded`): saved by rank 0 alone, read whole by every rank."""
 
 
 def _sharded(piece: Piece, group: dist.ProcessGroup) -> ShardedTensor:
@@ -84,7 +87,7 @@ def load(pieces: Sequence[Piece], scalars: Mapping[str, torch.Tensor], param_gro
                     f"{tuple(saved[piece.name].size)} elements, this model's parameter has {piece.numel}: it was "
                     "saved from another model"
                 )
-            wanted[piece.name] = _sharded(piece, group)
+            wanted[piece.name] = piece.local[1] if piece.whole else _sharded(piece, group)
     wanted.update({name: value for name, value in scalars.items() if name in saved})
     with _sharded_tensors_allowed():
         dcp.load(wanted, checkpoint_id=checkpoint_id, process_group=group)

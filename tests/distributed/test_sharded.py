@@ -11,6 +11,7 @@ holds only its part of the state. ``Join`` is refused with the fix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 
 import commsched
+import commsched.update.sharded
 from commsched.testing import (
     OPTIMIZERS,
     assert_equal_on_all_ranks,
@@ -107,7 +109,10 @@ def case_each_rank_holds_its_part(rank, world_size, optimizer_name):
     parts = [None] * world_size
     dist.all_gather_object(parts, (sharding.state_bytes, sharding.owned_elements))
     whole = state_tensors_bytes(reference_optimizer.state)
-    assert whole > 0 and sum(owned for _, owned in parts) == sharding.total_elements
+    # The first bucket the forward pass needs is small here: every rank holds it whole.
+    assert len(sharding.whole_buckets) == 1, sharding
+    kept_everywhere = sharding.chunk_elements[sharding.whole_buckets[0]]
+    assert whole > 0 and sum(owned for _, owned in parts) == sharding.total_elements + (world_size - 1) * kept_everywhere
     assert sum(state_bytes for state_bytes, _ in parts) >= whole  # every part is somewhere (and steps besides)
     at_most_per_element = 2 * 8  # two float64 moments
     one_chunk_per_bucket = at_most_per_element * sum(sharding.chunk_elements)
@@ -245,6 +250,44 @@ def case_autotune_switch_points(rank, world_size):
     commsched.release(model)
 
 
+def case_first_bucket_whole_when_small(rank, world_size):
+    """The bucket the forward pass needs first is kept whole on every rank when it is small and
+    not the only one ([Note: the first bucket is not sharded]); a large one is sharded."""
+    def whole_buckets(first_width: int, strategy: commsched.Strategy) -> tuple[int, ...]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(first_width, 8), torch.nn.Linear(8, 4))
+        model, optimizer = commsched.prepare(model, torch.optim.Adam(model.parameters()), strategy)
+        for _ in range(2):
+            model(torch.randn(2, first_width)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        sharding = commsched.status(model).sharding
+        commsched.release(model)
+        return tuple(sharding.chunk_elements[b] for b in sharding.whole_buckets)
+
+    two_buckets = sharded(bucket_cap_mb=1e-4, first_bucket_mb=1e-4, adaptive=False)
+    assert whole_buckets(16, two_buckets) == (16 * 8 + 8,)
+    large = commsched.update.sharded.WHOLE_FIRST_BUCKET_BYTES // 4 // 8 + 1  # just over the limit
+    assert whole_buckets(large, two_buckets) == ()
+    assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
+
+
+@contextlib.contextmanager
+def first_bucket_sharded():
+    """Every bucket sharded, the first one the forward pass needs included."""
+    module = commsched.update.sharded
+    limit, module.WHOLE_FIRST_BUCKET_BYTES = module.WHOLE_FIRST_BUCKET_BYTES, 0
+    try:
+        yield
+    finally:
+        module.WHOLE_FIRST_BUCKET_BYTES = limit
+
+
+def case_with_first_bucket_sharded(case):
+    with first_bucket_sharded():
+        case()
+
+
 # ------------------------------------------------------------------ refusals
 def case_refusals(rank, world_size):
     """What cannot be sharded is refused at prepare(), before any collective, with the fix."""
@@ -283,6 +326,11 @@ def sharded_grid(rank: int, world_size: int) -> None:
     for optimizer_name, label in itertools.product(PARITY_OPTIMIZERS, GRID[world_size]):
         cases[f"single_process/{optimizer_name}/{label}"] = functools.partial(
             case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[label], True)
+    for optimizer_name in ("sgd_nesterov", "adamw"):
+        cases[f"single_process/{optimizer_name}/{GRID[world_size][-1]}/first_bucket_sharded"] = functools.partial(
+            case_with_first_bucket_sharded, functools.partial(
+                case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
+    cases["first_bucket_whole_when_small"] = functools.partial(case_first_bucket_whole_when_small, rank, world_size)
     cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
         case_matches_single_process, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
     for optimizer_name in ("sgd_momentum", "adamw"):
