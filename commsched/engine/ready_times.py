@@ -75,7 +75,7 @@ class ReadyTimeProfile(Observer):
     def median_forward_s(self) -> float:
         return statistics.median(self._forward) if self._forward else 0.0
 
-    def loaded_bytes_per_s(self, latency_s: float) -> float | None:
+    def loaded_bytes_per_s(self, latency_s: float, idle_link: LinkModel | None = None) -> float | None:
         """The link's bandwidth while training, median over the iterations that bound it.
 
         Per iteration, the bandwidth with which partitions reduced one after the
@@ -85,14 +85,16 @@ class ReadyTimeProfile(Observer):
         count the link's idle time, waiting for gradients, as transfer: where
         computation sets the pace that halves the bandwidth, and a plan made
         for so slow a link holds back partitions that would have fitted.
-        None if no iteration bounds it (their last partition took no longer
-        than a latency).
+        None if no iteration bounds it: their last partition took no longer
+        than a latency, or the link's last busy period held too few of the
+        bytes to tell its speed (judged at ``idle_link``'s, where measured).
         """
-        fitted = [wire_bytes_per_s(issued, done_s, latency_s) for issued, done_s in self._transfers]
+        idle_bytes_per_s = None if idle_link is None else idle_link.bytes_per_s
+        fitted = [wire_bytes_per_s(issued, done_s, latency_s, idle_bytes_per_s) for issued, done_s in self._transfers]
         bounded = [b for b in fitted if b is not None]
         return statistics.median(bounded) if bounded else None
 
     def timeline(self, latency_s: float, idle_link: LinkModel | None = None) -> WarmupTimeline:
         """What plans need of this profile, kept when it is dropped (see `WarmupTimeline`)."""
-        return WarmupTimeline(tuple(self.median_slot_ready_s()), self.loaded_bytes_per_s(latency_s), latency_s,
-                              self.median_forward_s(), idle_link)
+        return WarmupTimeline(tuple(self.median_slot_ready_s()), self.loaded_bytes_per_s(latency_s, idle_link),
+                              latency_s, self.median_forward_s(), idle_link)

@@ -23,7 +23,6 @@ recorded one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -161,7 +160,8 @@ class Warmup:
         self._events.unsubscribe(profile)
         self._profile = None
         idle_link = cost_timeline.link if cost_timeline is not None else None
-        return WarmupResult(choice, dataclasses.replace(timeline, idle_link=idle_link), cost_timeline, self.reads)
+        # Anew with the idle link: it tells which warm-up iterations say how fast the link is.
+        return WarmupResult(choice, profile.timeline(calibration.latency_s, idle_link), cost_timeline, self.reads)
 
     def close(self) -> None:
         if self.reads is not None:

@@ -29,13 +29,30 @@ LINK_SAFETY_FACTOR = 0.8
 a little idle link time, one planned too early delays the next forward pass."""
 
 
-def wire_bytes_per_s(issued: Sequence[tuple[float, int]], done_s: float, latency_s: float) -> float | None:
+BOUNDING_SHARE = 0.5
+"""The least share of an iteration's bytes the link's last busy period must carry for the
+iteration to tell its bandwidth; see `wire_bytes_per_s`."""
+
+
+def wire_bytes_per_s(issued: Sequence[tuple[float, int]], done_s: float, latency_s: float,
+                     idle_bytes_per_s: float | None = None) -> float | None:
     """The bandwidth ``b`` with which reductions issued at ``issued`` (time, bytes),
     each taking ``latency_s + bytes / b`` one after the other, all finish at ``done_s``.
 
     The finish time falls as ``b`` grows, so ``b`` is found by bisection on
     ``1 / b``. None where even an infinite bandwidth would not finish before
-    ``done_s`` (the observation says nothing about the bandwidth).
+    ``done_s`` (the observation says nothing about the bandwidth), or where, at
+    the idle link's speed (``idle_bytes_per_s``, where measured; else at ``b``),
+    the link's last busy period carries less than `BOUNDING_SHARE` of the bytes.
+
+    Only the last busy period binds ``b``. Where computation sets the pace, that
+    period is the input-side bucket alone, issued on an idle link as backward
+    ends: a few hundred KB whose time is mostly fixed costs the model does not
+    see (a thread waking, a callback, the link's round trips). A few ms there
+    read as a link several times slower: on 2 emulated hosts at 1 Gbit/s (idle
+    link: 119 MB/s) iterations read 55-60 MB/s or 150-300, and a plan made for
+    the slow reading held the forward pass's second bucket behind the last one
+    while the link idled 60 ms.
     """
     if not issued:
         return None
@@ -56,7 +73,21 @@ def wire_bytes_per_s(issued: Sequence[tuple[float, int]], done_s: float, latency
             low = middle
         else:
             high = middle
+    judged_at = high if idle_bytes_per_s is None else 1.0 / idle_bytes_per_s
+    if _last_busy_bytes(in_order, latency_s, judged_at) < BOUNDING_SHARE * sum(nbytes for _, nbytes in in_order):
+        return None
     return 1.0 / high
+
+
+def _last_busy_bytes(in_order: Sequence[tuple[float, int]], latency_s: float, seconds_per_byte: float) -> int:
+    """The bytes of the reductions from the last one issued on an idle link to the end."""
+    free_at, busy = 0.0, 0
+    for at, nbytes in in_order:
+        if at >= free_at:
+            busy = 0
+        busy += nbytes
+        free_at = max(free_at, at) + latency_s + nbytes * seconds_per_byte
+    return busy
 
 
 def bucket_ready_s(slot_ready_s: Sequence[float], layout: GradLayout, held: frozenset[int]) -> list[float]:
