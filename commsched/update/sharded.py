@@ -440,9 +440,7 @@ def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
     """The bucket every rank updates whole, if any: see [Note: the first bucket is not sharded]."""
     if len(order) < 2:
         return None
-    first = layout.buckets[order[0]]
-    fits = sum(p.numel() * p.element_size() for p in first.params) <= WHOLE_FIRST_BUCKET_BYTES
-    return order[0] if fits else None
+    return order[0] if layout.buckets[order[0]].nbytes <= WHOLE_FIRST_BUCKET_BYTES else None
 
 
 def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
