@@ -14,9 +14,11 @@ every rank's traceback, instead of hanging the caller.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import os
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -74,11 +76,13 @@ def run_ranks(
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results: queue.Queue = context.Queue()
     child_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {})}
+    crash_dir = tempfile.TemporaryDirectory(prefix="commsched-ranks-")
+    crash_logs = [os.path.join(crash_dir.name, f"rank{rank}.crash") for rank in range(world_size)]
     processes = [
         context.Process(
             target=_rank_main,
             args=(fn, rank, world_size, store.port, args, results, collective_timeout_s,
-                  threads_per_rank, child_env, backend),
+                  threads_per_rank, child_env, backend, crash_logs[rank]),
             name=f"commsched-rank{rank}",
             daemon=True,
         )
@@ -96,6 +100,8 @@ def run_ranks(
                 process.kill()
             process.join(timeout=10)
         del store
+        _add_crash_stacks(processes, outcomes, crash_logs)
+        crash_dir.cleanup()
 
     failures = {rank: text for rank, (ok, text) in outcomes.items() if not ok}
     if failures:
@@ -155,6 +161,30 @@ def _await_clean_exits(processes: list, outcomes: dict[int, tuple[bool, Any]]) -
                                      "(it crashed while shutting down)")
 
 
+CRASH_STACKS_CHARS = 6000
+"""How much of a crashed rank's thread stacks its report quotes (the end, where the crash is)."""
+
+
+def _add_crash_stacks(processes: list, outcomes: dict[int, tuple[bool, Any]], crash_logs: list[str]) -> None:
+    """Quote, in the report of a rank killed by a signal, the Python stacks of its threads at that moment.
+
+    A rank that aborts (a C++ ``terminate``, a fatal signal), often while the
+    interpreter shuts down after it reported success, leaves nothing else to
+    go on: its stderr is the parent's, interleaved and often not kept.
+    """
+    for rank, process in enumerate(processes):
+        if rank not in outcomes or outcomes[rank][0] or process.exitcode is None or process.exitcode >= 0:
+            continue
+        try:
+            with open(crash_logs[rank], errors="replace") as log:
+                stacks = log.read().strip()
+        except OSError:
+            continue
+        if stacks:
+            outcomes[rank] = (False, f"{outcomes[rank][1]}\nits threads when it crashed (most recent call "
+                                     f"first):\n{stacks[-CRASH_STACKS_CHARS:]}")
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -166,8 +196,11 @@ def _rank_main(
     threads_per_rank: int,
     env: Mapping[str, str],
     backend: str,
+    crash_log: str,
 ) -> None:
     global _rank_store
+    # Kept open for the life of the process: faulthandler writes to it from the signal handler.
+    faulthandler.enable(file=open(crash_log, "w"), all_threads=True)  # noqa: SIM115
     os.environ.update(env)
     torch.set_num_threads(threads_per_rank)
     # [Note: the world group outlives destroy_process_group] torch imports torch._dynamo at an

@@ -36,6 +36,20 @@ def rank1_dies(rank: int, world_size: int) -> None:
         os._exit(3)
 
 
+def rank1_aborts_at_exit(rank: int, world_size: int) -> None:
+    """Reports success, then aborts while the interpreter shuts down, a thread still asleep."""
+    import atexit
+    import threading
+
+    if rank == 1:
+        threading.Thread(target=a_thread_still_running_at_exit, daemon=True).start()
+        atexit.register(os.abort)
+
+
+def a_thread_still_running_at_exit() -> None:
+    time.sleep(600)
+
+
 def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
     """A case that drops its model within warm-up leaves its read watch on the stack; the next
     case starts without it."""
@@ -114,3 +128,9 @@ def test_a_case_starts_without_the_watches_the_case_before_left():
 def test_a_dying_rank_is_reported():
     with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nprocess exited with code 3"):
         run_ranks(rank1_dies, 2, timeout_s=60)
+
+
+def test_a_rank_that_crashes_after_reporting_is_reported_with_its_threads():
+    with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nreported success, then exited with code -6 .*"
+                                          r"its threads when it crashed.*a_thread_still_running_at_exit"):
+        run_ranks(rank1_aborts_at_exit, 2, timeout_s=60)
