@@ -127,7 +127,11 @@ def _prepare(
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                                  overlap_forward=strategy.overlap_forward)
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype)
-        reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
+        try:
+            reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
+        except BaseException:
+            transport.finish()  # a refused prepare() leaves no heartbeat thread behind
+            raise
     _mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
     model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it
@@ -137,16 +141,20 @@ def _prepare(
         keep_scheduler_counting_steps(optimizer)
     adopter = None
     if adopt_optimizer:
-        adopter = functools.partial(_adopt_optimizer, model, strategy=strategy, control_group=control_group)
+        # The adopter reads the control group from the reducer's holder, which lets go of it at
+        # release and at exit (see [Note: process groups at exit]); it keeps none of its own.
+        adopter = functools.partial(_adopt_optimizer, model, strategy=strategy)
     watch_foreign_optimizers(model, optimizer, reducer, adopter)
     return model, optimizer
 
 
 def _adopt_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, control_group: dist.ProcessGroup
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy
 ) -> Callable[[], None]:
     """At ``optimizer``'s first ``step()``: check it as prepare() would, on every rank, then let
     the reducer take it; returns what runs once torch.optim's own step is done."""
+    reducer: GradientReducer = model._commsched_reducer
+    control_group = reducer.groups.control
     try:
         _check_optimizer(model, optimizer)
         setup = [checks_entry(None), *describe_setup(strategy, model, optimizer)]
@@ -156,7 +164,6 @@ def _adopt_optimizer(
     verify_setup_across_ranks(setup, control_group, strategy.timeout_s)
     if problem is not None:
         raise problem
-    reducer: GradientReducer = model._commsched_reducer
     after_step = reducer.adopt_optimizer(optimizer)
     _mix_in(optimizer, CommschedOptimizer)
     optimizer._commsched_reducer = reducer
@@ -337,6 +344,9 @@ def status(model: torch.nn.Module) -> Status:
 
 
 def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
+    wrapped = getattr(model, "module", None)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(wrapped, CommschedModule):
+        model = wrapped  # commsched.DistributedDataParallel: the model it prepared
     if not isinstance(model, CommschedModule):
         raise ValueError(f"{caller}() takes a model returned by commsched.prepare(), got {type(model).__name__}")
     return model._commsched_reducer

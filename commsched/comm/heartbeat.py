@@ -29,11 +29,13 @@ believes only marks written after it joined, never one an earlier job left.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -143,6 +145,63 @@ def _answers(client: dist.Store) -> bool:
 _STORE_CLIENTS = _StoreClients()
 
 
+class _Beat:
+    """What a beat thread needs, apart from its `Heartbeat`: a heartbeat dropped without
+    ``stop()`` must be collectable, so that its finalizer can end the thread."""
+
+    def __init__(self, store: dist.Store, key: str):
+        self.store, self.key = store, key
+        self.iteration = -1
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        count = 0
+        try:
+            while not self.stopped.is_set():
+                count += 1
+                try:
+                    self.store.set(self.key, f"{count} {self.iteration}")
+                except Exception:  # noqa: BLE001 - the store left with its host: nothing left to tell
+                    return
+                self.stopped.wait(BEAT_PERIOD_S)
+        finally:
+            _RUNNING.discard(threading.current_thread())
+
+
+class _RunningBeats:
+    """[Note: no beat at finalization] A beat thread still running when the interpreter
+    finalizes is ended by CPython as it next takes the GIL: back from a store write, that
+    unwinds through C++ frames that cannot be unwound, and the process aborts (SIGABRT),
+    after a run that succeeded. So every beat thread is stopped and waited for at exit, while
+    threads can still run: those of models never released, and those whose last write
+    outlasted `Heartbeat.stop`'s wait (a write gives up after `BEAT_WRITE_S`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._beats: dict[threading.Thread, _Beat] = {}
+
+    def add(self, thread: threading.Thread, beat: _Beat) -> None:
+        with self._lock:
+            self._beats[thread] = beat
+
+    def discard(self, thread: threading.Thread) -> None:
+        with self._lock:
+            self._beats.pop(thread, None)
+
+    def end_all(self) -> None:
+        with self._lock:
+            beats, self._beats = self._beats, {}
+        for beat in beats.values():
+            beat.stopped.set()
+        deadline = time.monotonic() + BEAT_WRITE_S + BEAT_PERIOD_S
+        for thread in beats:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+_RUNNING = _RunningBeats()
+atexit.register(_RUNNING.end_all)  # registered at import, before any model's own exit handler: runs after them
+
+
 class Heartbeat:
     """This rank's beat into the job's store, and, after a failure, who else still beats.
 
@@ -158,7 +217,6 @@ class Heartbeat:
         self._address = (host, port)
         self._rank = rank
         self._peers = [peer for peer in peers if peer != rank]
-        self._stop = threading.Event()
         self._origin = store
         if store is None:
             self._template = _connect(host, port, STORE_REACH_S)
@@ -169,9 +227,12 @@ class Heartbeat:
         self._store.set_timeout(datetime.timedelta(seconds=BEAT_WRITE_S))
         self._joined = store_clock(self._store)
         """Marks written at or before this tick were left by an earlier job (see [Note: keys of this job only])."""
-        self._iteration = -1
         self._verdict: str | None = None
-        self._thread = threading.Thread(target=self._beat, name="commsched-heartbeat", daemon=True)
+        self._beat = _Beat(self._store, _KEY.format(rank))
+        self._thread = threading.Thread(target=self._beat.run, name="commsched-heartbeat", daemon=True)
+        _RUNNING.add(self._thread, self._beat)
+        # A heartbeat dropped without stop() (its model never released) ends with it.
+        weakref.finalize(self, self._beat.stopped.set)
         self._thread.start()
 
     @classmethod
@@ -189,27 +250,23 @@ class Heartbeat:
                            "failed reduction will not name the lost rank", *address, exc_info=True)
             return None
 
+    @property
+    def _iteration(self) -> int:
+        return self._beat.iteration
+
     def at_iteration(self, iteration: int) -> None:
         """This rank began ``iteration``: the next beats say so."""
-        self._iteration = iteration
-
-    def _beat(self) -> None:
-        key, count = _KEY.format(self._rank), 0
-        while True:
-            count += 1
-            try:
-                self._store.set(key, f"{count} {self._iteration}")
-            except Exception:  # noqa: BLE001 - the store left with its host: nothing left to tell
-                return
-            if self._stop.wait(BEAT_PERIOD_S):
-                return
+        self._beat.iteration = iteration
 
     def stop(self) -> None:
-        """End the thread (idempotent): it must be gone before the interpreter finalizes."""
-        self._stop.set()
+        """End the thread (idempotent); one still in a write after ``2 * BEAT_PERIOD_S`` is
+        waited for at exit (see [Note: no beat at finalization])."""
+        self._beat.stopped.set()
         self._thread.join(timeout=2 * BEAT_PERIOD_S)
-        if self._origin is not None and self._store is not None and not self._thread.is_alive():
-            _STORE_CLIENTS.give_back(self._origin, self._store)
+        if not self._thread.is_alive():
+            _RUNNING.discard(self._thread)
+            if self._origin is not None and self._store is not None:
+                _STORE_CLIENTS.give_back(self._origin, self._store)
         self._store = None
 
     def lost_peers(self) -> str:

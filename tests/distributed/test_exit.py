@@ -49,6 +49,21 @@ def groups_freed_at_exit(rank: int, world_size: int) -> tuple[int, int, int]:
     return with_world_group, after_destroy, thread_count()
 
 
+def groups_of_an_adopting_model_freed_at_release(rank: int, world_size: int) -> tuple[int, int]:
+    """A model that would adopt its optimizer at the first step (`commsched.DistributedDataParallel`)
+    but never took one (evaluated only, say), its world group destroyed by the script: release frees
+    that group as well."""
+    with_world_group = thread_count()
+    torch.manual_seed(0)
+    model = commsched.DistributedDataParallel(ParityNet())
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    dist.destroy_process_group()
+    commsched.release(model)
+    del model  # the wrapper holds its process_group, as torch DDP's does
+    return with_world_group, thread_count()
+
+
 def operations_left_in_cyclic_garbage(rank: int, world_size: int) -> int:
     """Objects that only the garbage collector would free, holding a torch.distributed operation."""
     gc.collect()
@@ -89,6 +104,14 @@ def test_destroyed_groups_are_freed_at_exit():
         assert after_destroy > with_world_group, (rank, with_world_group, after_destroy)
         # ... until release (or the exit handler) lets go and the group's destructor joins them.
         assert at_exit <= with_world_group, (rank, with_world_group, after_destroy, at_exit)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_the_groups_of_a_model_that_adopts_its_optimizer_are_freed_at_release():
+    for rank, (with_world_group, at_release) in enumerate(
+            run_ranks(groups_of_an_adopting_model_freed_at_release, 2, timeout_s=120)):
+        # The world group's own threads are gone too: nothing commsched made still holds it.
+        assert at_release < with_world_group, (rank, with_world_group, at_release)
 
 
 # --------------------------------------------------------------- after a failure

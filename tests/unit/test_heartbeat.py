@@ -3,6 +3,8 @@ ended, and marks an earlier job left in the same store."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch.distributed as dist
 
@@ -76,3 +78,26 @@ def test_a_heartbeat_reuses_the_store_clients_a_stopped_one_gave_back(store):
         assert other_job.check(["written"]) and not job.check(["written"])
     finally:
         third.stop()
+
+
+def _beats_within(thread, seconds: float) -> bool:
+    thread.join(timeout=seconds)
+    return thread.is_alive()
+
+
+def test_a_heartbeat_dropped_without_stop_ends_its_thread(store):
+    """A model never released but collected (a prepare() that failed half-way, a dropped copy) takes its
+    beat along: none runs on into the interpreter's finalization ([Note: no beat at finalization])."""
+    beat = Heartbeat("127.0.0.1", store.port, 0, [0, 1])
+    thread = beat._thread
+    del beat
+    gc.collect()
+    assert not _beats_within(thread, 4 * heartbeat.BEAT_PERIOD_S)
+
+
+def test_at_exit_the_beats_nobody_stopped_are_ended_and_waited_for(store):
+    beats = [Heartbeat("127.0.0.1", store.port, rank, [0, 1]) for rank in (0, 1)]
+    beats[0].stop()
+    heartbeat._RUNNING.end_all()  # what runs at exit, after every model's own exit handler
+    assert not beats[1]._thread.is_alive()
+    beats[1].stop()  # idempotent after it
