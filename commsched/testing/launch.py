@@ -5,20 +5,25 @@ can anyone testing code built on commsched:
 
     results = run_ranks(check_something, world_size=3, timeout_s=120)
 
-``fn(rank, world_size, *args)`` runs in each spawned process after
+``fn(rank, world_size, *args)`` runs in each rank's process after
 ``init_process_group("gloo")``; its return values come back in rank order. A
 rank that raises, dies or overruns makes `run_ranks` raise `RanksFailed` with
-every rank's traceback, instead of hanging the caller.
+every rank's traceback, instead of hanging the caller; so does one that crashes
+as it ends (with its threads' stacks) or leaves a thread running after its exit
+handlers (see [Note: ranks end as a script ends]).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import importlib
 import os
 import queue
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -72,7 +77,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    context = mp.get_context("spawn")
+    context = _process_context()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results: queue.Queue = context.Queue()
     child_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {})}
@@ -108,6 +113,23 @@ def run_ranks(
         report = "\n".join(f"----- rank {rank} -----\n{text}" for rank, text in sorted(failures.items()))
         raise RanksFailed(f"{len(failures)} of {world_size} ranks failed:\n{report}")
     return [outcomes[rank][1] for rank in range(world_size)]
+
+
+PRELOADED_MODULES = ("torch", "torch.distributed", "torch._dynamo", "commsched")
+"""What every rank imports before its process group exists (see [Note: the world group outlives
+destroy_process_group]), imported once by the fork server rather than by each rank."""
+
+
+def _process_context():
+    """Ranks forked from a fork server that has imported torch once (a rank starts in a fraction
+    of a second instead of the 2-3 s an import of torch costs each spawned one); spawned where
+    there is no fork server. Either way a rank starts from a fresh interpreter's state: the fork
+    server only imports, it never runs torch or makes a thread of its own."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED_MODULES))
+    return context
 
 
 def _collect(processes: list, results: queue.Queue, timeout_s: float) -> dict[int, tuple[bool, Any]]:
@@ -156,9 +178,16 @@ def _await_clean_exits(processes: list, outcomes: dict[int, tuple[bool, Any]]) -
         process.join(timeout=max(0.0, deadline - time.monotonic()))
         if process.exitcode is None:
             outcomes[rank] = (False, f"reported success but did not exit within {EXIT_GRACE_S:g} s")
+        elif process.exitcode == THREADS_LEFT_AT_EXIT:
+            outcomes[rank] = (False, "reported success, then left threads running at exit")
         elif process.exitcode != 0:
             outcomes[rank] = (False, f"reported success, then exited with code {process.exitcode} "
                                      "(it crashed while shutting down)")
+
+
+THREADS_LEFT_AT_EXIT = 70
+"""The exit code of a rank that left threads running after its exit handlers (see [Note: ranks end as
+a script ends])."""
 
 
 CRASH_STACKS_CHARS = 6000
@@ -166,14 +195,16 @@ CRASH_STACKS_CHARS = 6000
 
 
 def _add_crash_stacks(processes: list, outcomes: dict[int, tuple[bool, Any]], crash_logs: list[str]) -> None:
-    """Quote, in the report of a rank killed by a signal, the Python stacks of its threads at that moment.
+    """Quote, in the report of a rank killed by a signal, the Python stacks of its threads at that moment;
+    in that of a rank that left threads running at exit, their names.
 
-    A rank that aborts (a C++ ``terminate``, a fatal signal), often while the
-    interpreter shuts down after it reported success, leaves nothing else to
-    go on: its stderr is the parent's, interleaved and often not kept.
+    A rank that aborts (a C++ ``terminate``, a fatal signal), often as it ends
+    after it reported success, leaves nothing else to go on: its stderr is the
+    parent's, interleaved and often not kept.
     """
     for rank, process in enumerate(processes):
-        if rank not in outcomes or outcomes[rank][0] or process.exitcode is None or process.exitcode >= 0:
+        code = process.exitcode
+        if rank not in outcomes or outcomes[rank][0] or code is None or (code >= 0 and code != THREADS_LEFT_AT_EXIT):
             continue
         try:
             with open(crash_logs[rank], errors="replace") as log:
@@ -181,8 +212,8 @@ def _add_crash_stacks(processes: list, outcomes: dict[int, tuple[bool, Any]], cr
         except OSError:
             continue
         if stacks:
-            outcomes[rank] = (False, f"{outcomes[rank][1]}\nits threads when it crashed (most recent call "
-                                     f"first):\n{stacks[-CRASH_STACKS_CHARS:]}")
+            heading = "" if code == THREADS_LEFT_AT_EXIT else "its threads when it crashed (most recent call first):\n"
+            outcomes[rank] = (False, f"{outcomes[rank][1]}\n{heading}{stacks[-CRASH_STACKS_CHARS:]}")
 
 
 def _rank_main(
@@ -228,3 +259,26 @@ def _rank_main(
         if dist.is_initialized():
             dist.destroy_process_group()
         _rank_store = None
+    results.close()
+    results.join_thread()  # the report is on its way: what follows may end the process
+    _end_as_a_script_ends(crash_log)
+
+
+def _end_as_a_script_ends(crash_log: str) -> None:
+    """[Note: ranks end as a script ends] A rank forked from the fork server ends with
+    ``os._exit``: no exit handler runs, and no thread is left to the interpreter's
+    finalization, which is where a thread still running aborts a training script after a
+    clean run. So the rank runs the exit handlers here (commsched's, for models never
+    released), as a script's end would, and then fails if any thread still runs: it would
+    have met the finalization."""
+    atexit._run_exitfuncs()
+    running = [thread.name for thread in threading.enumerate()
+               if thread is not threading.main_thread() and thread.is_alive()]
+    if running:
+        with open(crash_log, "a") as log:
+            log.write(f"threads still running after the exit handlers: {', '.join(running)}. At a script's end "
+                      "the interpreter's finalization ends them as they next take the GIL, which aborts the "
+                      "process where one is inside C++ code (a store or collective call)\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(THREADS_LEFT_AT_EXIT)

@@ -50,6 +50,13 @@ def a_thread_still_running_at_exit() -> None:
     time.sleep(600)
 
 
+def rank1_leaves_a_thread_running(rank: int, world_size: int) -> None:
+    import threading
+
+    if rank == 1:
+        threading.Thread(target=a_thread_still_running_at_exit, name="left behind", daemon=True).start()
+
+
 def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
     """A case that drops its model within warm-up leaves its read watch on the stack; the next
     case starts without it."""
@@ -134,3 +141,10 @@ def test_a_rank_that_crashes_after_reporting_is_reported_with_its_threads():
     with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nreported success, then exited with code -6 .*"
                                           r"its threads when it crashed.*a_thread_still_running_at_exit"):
         run_ranks(rank1_aborts_at_exit, 2, timeout_s=60)
+
+
+def test_a_rank_that_leaves_a_thread_running_at_exit_is_reported():
+    """[Note: ranks end as a script ends]: that thread would have met the interpreter's finalization."""
+    with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nreported success, then left threads running at "
+                                          r"exit.*threads still running after the exit handlers: left behind"):
+        run_ranks(rank1_leaves_a_thread_running, 2, timeout_s=60)
