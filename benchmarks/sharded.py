@@ -105,12 +105,13 @@ def lineup(bucket_mb: list[float], fixed_layout: bool) -> tuple[System, ...]:
     return (*ddp_sweep(bucket_mb), ALLREDUCE, SHARDED, *((FIXED,) if fixed_layout else ()), FSDP2)
 
 
-def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namespace, port: int = 29541) -> dict:
+def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namespace, port: int = 29541,
+             systems: tuple[System, ...] | None = None) -> dict:
     """One fresh cluster: ``{"systems": {name: result as data}, "phases_s": seconds of the peak RSS phase
-    and of the comparison}``."""
+    and of the comparison}``. ``systems``: this script's `lineup` unless given (benchmarks/layouts.py)."""
     from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
-    systems = lineup(args.ddp_bucket_mb, args.fixed_layout)
+    systems = systems or lineup(args.ddp_bucket_mb, args.fixed_layout)
     spec = {"workload": args.workload, "batch_size": args.batch_size, "iterations": args.iterations,
             "rounds": args.rounds, "warmup": args.warmup, "learning_rate": LEARNING_RATE[optimizer],
             "optimizer": optimizer, "systems": [encode(system) for system in systems]}

@@ -1,0 +1,127 @@
+"""Which commsched layout is fastest on emulated hosts, and does the default find it? Against torch DDP's sweep.
+
+    sudo .venv/bin/python benchmarks/layouts.py --hosts 8 --repeats 3 --layout 5/1 1/1    # about 6 minutes on 2 cores
+
+Per number of hosts, ``--repeats`` fresh `EmulatedCluster`s (the cell of
+benchmarks/sharded.py: one torchrun process per host, every host's link shaped
+to ``--rate-gbit``; the emulated ResNet-50 by default, SGD) train, in
+interleaved rounds: torch DDP at each ``--ddp-bucket-mb``, commsched's default
+`Strategy()` (its cost model's choice, checked on measured iterations against
+the configured buckets sent whole), and commsched with each fixed layout of
+``--layout``, with ``adaptive=False``:
+
+- ``BUCKET/FIRST``: whole buckets of BUCKET MiB, the first (the input side's,
+  which the next forward pass needs first) FIRST MiB;
+- ``pPART/CREDIT``: partitions of PART MiB under a credit window of CREDIT MiB.
+
+The machine's cores are sampled over each cluster (`commsched.bench.cpu_guard`):
+a cluster whose median busy share is at or above its threshold measured the
+cores rather than the links, and is marked. Printed per cluster: each system's
+median iteration, its speed against the best DDP (the best DDP's time over its
+own), commsched's exposed wait per iteration, and what the default kept; then,
+per system, the median over clusters of that speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sharded  # noqa: E402 - the cell of benchmarks/sharded.py, beside this script
+
+from commsched.bench.models import WORKLOADS  # noqa: E402
+from commsched.bench.systems import Commsched, System  # noqa: E402
+from commsched.strategy import Strategy  # noqa: E402
+
+WORKLOAD = "resnet50-emulated"
+
+
+def layout_system(text: str) -> Commsched:
+    """``BUCKET/FIRST`` or ``pPART/CREDIT`` (MiB) as a fixed-layout commsched system."""
+    partitions = text.startswith("p")
+    try:
+        first, second = (float(part) for part in text.removeprefix("p").split("/"))
+        if partitions:
+            strategy = Strategy(partition_mb=first, credit_mb=second, adaptive=False)
+        else:
+            strategy = Strategy(partition_mb=None, credit_mb=None, bucket_cap_mb=first, first_bucket_mb=second,
+                                adaptive=False)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"--layout {text!r}: give BUCKET/FIRST (whole buckets, MiB: 5/1) or pPART/CREDIT (partitions and "
+            f"credit window, MiB: p1/4); {error}") from None
+    return Commsched(strategy, ("partitions " if partitions else "whole ") + text.removeprefix("p"))
+
+
+def report(runs: list[dict], cpu: list, ddp_names: list[str]) -> list[str]:
+    """Lines per cluster, then the median speed against the best DDP per system."""
+    lines, speeds = [], {}
+    for index, (run, use) in enumerate(zip(runs, cpu, strict=True)):
+        times = {name: statistics.median(r["iteration_times_s"]) * 1e3 for name, r in run.items()}
+        best_ddp = min(times[name] for name in ddp_names)
+        marked = " (cores set the pace)" if use is not None and use.cores_set_the_pace else ""
+        busy = "" if use is None else f", cores busy {use.median:.2f} at the median{marked}"
+        lines.append(f"cluster {index + 1}{busy}:")
+        for name, ms in times.items():
+            speeds.setdefault(name, []).append(best_ddp / ms)
+            waits = run[name].get("exposed_wait_s") or []
+            wait = f", waits {statistics.median(waits) * 1e3:.1f} ms" if waits else ""
+            lines.append(f"  {name:36s} {ms:7.1f} ms  {best_ddp / ms:.3f} x best DDP{wait}")
+        kept = run.get(sharded.ALLREDUCE.name, {}).get("partitioning")
+        if kept:
+            lines.append(f"  the default: {kept}")
+    lines.append("median over clusters, speed against the best DDP:")
+    lines += [f"  {name:36s} {statistics.median(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})"
+              for name, values in speeds.items()]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", nargs="+", type=int, default=[8])
+    parser.add_argument("--rate-gbit", type=float, default=1.0, help="every host's link")
+    parser.add_argument("--workload", default=WORKLOAD, choices=sorted(WORKLOADS))
+    parser.add_argument("--optimizer", default="sgd", choices=sorted(sharded.LEARNING_RATE))
+    parser.add_argument("--batch-size", type=int, default=8, help="per host")
+    parser.add_argument("--layout", nargs="*", type=layout_system, default=[], metavar="LAYOUT",
+                        help="fixed commsched layouts to add: BUCKET/FIRST or pPART/CREDIT, in MiB")
+    parser.add_argument("--ddp-bucket-mb", nargs="+", type=float, default=[5.0],
+                        help="torch DDP's bucket_cap_mb values; best DDP is the fastest")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    parser.add_argument("--iterations", type=int, default=3, help="measured, per system per round")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured iterations per system")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per number of hosts")
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per cluster")
+    parser.add_argument("--json", type=Path, help="write every run here")
+    args = parser.parse_args(argv)
+    from commsched.bench.cluster import unavailable_reason
+    from commsched.bench.cpu_guard import CpuSampler
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"layouts: {reason}; it needs the emulated cluster", file=sys.stderr)
+        return 2
+    ddp = sharded.ddp_sweep(args.ddp_bucket_mb)
+    systems: tuple[System, ...] = (*ddp, sharded.ALLREDUCE, *args.layout)
+    record: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    for hosts in args.hosts:
+        runs, cpu = [], []
+        for _ in range(args.repeats):
+            with CpuSampler() as sampler:
+                runs.append(sharded.run_cell(hosts, args.rate_gbit, args.optimizer, args, systems=systems)["systems"])
+            cpu.append(sampler.summary())
+        print(f"{args.workload}, {args.optimizer}, {hosts} hosts at {args.rate_gbit:g} Gbit/s")
+        print("\n".join(report(runs, cpu, [system.name for system in ddp])), flush=True)
+        record["cells"].append({"hosts": hosts, "runs": runs, "cpu": [None if u is None else vars(u) for u in cpu]})
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
