@@ -175,8 +175,9 @@ class Strategy:
     compute anyway, fewer and larger collectives cost less; for many hosts,
     whole buckets without the small first one, or four times as large, are
     candidates too. Unless it chose the configured buckets sent whole, its
-    choice and runner-up are then measured against them on the next 16-24
-    iterations, in turn, and kept only if measurably faster (see [Note:
+    choice, its runner-up and its cheapest whole buckets of another size are
+    then measured against them on the next 16-32 iterations, in turn, and the
+    fastest kept only if measurably faster (see [Note:
     confirming the choice] in `commsched.tuning.confirmation`). ``False`` keeps
     exactly the configured values. Applies to the all-reduce backend with
     ``priority=True``; the parameter-server backend keeps its blocks."""

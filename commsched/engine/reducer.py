@@ -217,8 +217,8 @@ class GradientReducer:
               and self.config.layout != whole_buckets(configured)):
             # Every rank knows the chosen setting, so every rank starts the same switch points.
             self.confirming = (self.config.layout, whole_buckets(configured))
-            runner_up = None if result.choice.runner_up is None else result.choice.runner_up.on(configured)
-            self.tuning = TuningSession(confirmation(*self.confirming, runner_up), self.groups, self.transport,
+            beside = [s.on(configured) for s in (result.choice.runner_up, result.choice.best_whole) if s is not None]
+            self.tuning = TuningSession(confirmation(*self.confirming, beside), self.groups, self.transport,
                                         self.config.timeout_s)
         if self.tuning is not None:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order

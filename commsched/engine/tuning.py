@@ -13,7 +13,7 @@ setting it names, if it changed anything.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch.distributed as dist
@@ -103,7 +103,8 @@ def autotuner(config: TuningConfig, start: TuningStart, gradient_bytes: int) -> 
 
 
 def confirmation(chosen: LayoutSetting, whole: LayoutSetting,
-                 runner_up: LayoutSetting | None) -> Callable[[], TuningController]:
-    """The check of the cost model's ``chosen`` setting and its ``runner_up`` against ``whole``, the
-    configured buckets sent whole; see [Note: confirming the choice] in `commsched.tuning.confirmation`."""
-    return lambda: Confirmation(chosen, whole, runner_up)
+                 beside: Sequence[LayoutSetting] = ()) -> Callable[[], TuningController]:
+    """The check of the cost model's ``chosen`` setting and those measured ``beside`` it (its runner-up,
+    its best whole buckets) against ``whole``, the configured buckets sent whole; see [Note: confirming
+    the choice] in `commsched.tuning.confirmation`."""
+    return lambda: Confirmation(chosen, whole, beside)

@@ -12,7 +12,7 @@ a small model), that cost is all that is left. So, at the end of warm-up, each
 candidate setting (the configured one, coarser partitions, finer ones with a
 credit window of one partition, whole buckets, and the bucket sizes torch DDP
 users sweep: a fifth and a twenty-fifth of the configured size, where slow links
-want more overlap, and for many hosts, where each collective pays a latency per
+want more overlap, each also behind the configured first bucket, and for many hosts, where each collective pays a latency per
 hop of the ring, whole buckets without the small first one, and four times the
 configured size) is replayed on rank 0's measured timeline: per parameter, when
 its gradient became ready in the backward pass; how long the forward pass took;
@@ -146,6 +146,11 @@ class Choice:
     """The next cheapest prediction that sends partitions or larger buckets (None: there is none):
     measured beside the choice, since the predictions may rank the two wrongly
     ([Note: confirming the choice] in `commsched.tuning.confirmation`)."""
+    best_whole: Setting | None = None
+    """The cheapest prediction of whole buckets of a size of their own (as torch DDP's users tune
+    ``bucket_cap_mb``) other than the choice and the runner-up (None: there is none): measured beside
+    them too, since the predictions understate most what many collectives cost ([Note: confirming
+    the choice])."""
 
     @property
     def reason(self) -> str:
@@ -192,8 +197,10 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
     ``DistributedDataParallel(bucket_cap_mb=...)`` lays them out): `SMALLER_BUCKETS`, the configured
     ``bucket_cap_mb`` (where the configured first bucket, ``first_bucket_mb``, is smaller), and `COARSER_FACTOR`
     times as large. At many hosts each collective costs a latency per hop of the ring: fewer, larger buckets are
-    what DDP users tune for it; where the links are slow, smaller ones overlap more of the backward pass. No
-    candidate is below the sizes a `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
+    what DDP users tune for it; where the links are slow, smaller ones overlap more of the backward pass. Each
+    smaller size comes twice where the configured first bucket is smaller still: the first as large as the
+    others, and the first as configured (the input side's bucket, reduced last and needed first, small).
+    No candidate is below the sizes a `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
@@ -207,6 +214,8 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
             size = bucket_cap_mb / divisor
             if size >= MIN_BUCKET_MB and gradient_bytes > size * MIB:
                 found.append(Setting(None, None, size))
+                if first_bucket_mb is not None and first_bucket_mb < size:
+                    found.append(Setting(None, None, size, first_bucket_mb))
         if first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb and gradient_bytes > first_bucket_mb * MIB:
             found.append(Setting(None, None, bucket_cap_mb))
         if gradient_bytes > bucket_cap_mb * MIB:
@@ -315,4 +324,7 @@ def choose(
     )
     ranked = sorted(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
     others = [p.setting for p in ranked[1:] if p.setting != Setting(None, None)]
-    return Choice(ranked[0].setting, predictions, others[0] if others else None)
+    runner_up = others[0] if others else None
+    sized = [p.setting for p in ranked if p.setting.partition_mb is None and p.setting.bucket_cap_mb is not None
+             and p.setting not in (ranked[0].setting, runner_up)]
+    return Choice(ranked[0].setting, predictions, runner_up, sized[0] if sized else None)

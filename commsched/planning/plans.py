@@ -119,20 +119,23 @@ def choose_on_rank0(
     if calibration.link is None:
         raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
     choice = timeline = None
-    message = torch.zeros(2 * _SETTING_FLOATS + 1, dtype=torch.float64)
+    message = torch.zeros(3 * _SETTING_FLOATS + 2, dtype=torch.float64)
     if dist.get_rank(control_group) == 0:
         timeline = Timeline(warmup.slot_ready_s, warmup.forward_s, calibration.link, calibration.transport_cpu_share)
         choice = choose(setting, priority, layout.params, layout.forward_order, timeline)
-        runner_up = choice.runner_up or Setting(None, None)
-        message = torch.tensor([*_encode(choice.setting), *_encode(runner_up), float(choice.runner_up is not None)],
+        message = torch.tensor([*_encode(choice.setting), *_encode(choice.runner_up or Setting(None, None)),
+                                *_encode(choice.best_whole or Setting(None, None)),
+                                float(choice.runner_up is not None), float(choice.best_whole is not None)],
                                dtype=torch.float64)
     if dist.get_world_size(control_group) > 1:
         work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
-        n = _SETTING_FLOATS
-        runner_up = Setting(*(_decode_mb(v) for v in message[n:2 * n])) if message[2 * n] > 0 else None
-        choice = Choice(Setting(*(_decode_mb(v) for v in message[:n])), (), runner_up)
+        settings = [Setting(*(_decode_mb(v) for v in message[i * _SETTING_FLOATS:(i + 1) * _SETTING_FLOATS]))
+                    for i in range(3)]
+        runner_up = settings[1] if message[3 * _SETTING_FLOATS] > 0 else None
+        best_whole = settings[2] if message[3 * _SETTING_FLOATS + 1] > 0 else None
+        choice = Choice(settings[0], (), runner_up, best_whole)
     return choice, timeline
 
 

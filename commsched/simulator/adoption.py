@@ -53,7 +53,7 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     whole = dataclasses.replace(literal, partition_mb=None, credit_mb=None)
     if chosen == whole or not strategy.measures_its_choice:
         return chosen
-    # The run then measures its choice and the runner-up against the configured buckets sent
-    # whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
-    measured = [chosen, whole] + ([applied(literal, choice.runner_up)] if choice.runner_up is not None else [])
+    # The run then measures its choice, the runner-up and the best whole buckets against the configured
+    # buckets sent whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
+    measured = [chosen, whole] + [applied(literal, s) for s in (choice.runner_up, choice.best_whole) if s is not None]
     return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole)

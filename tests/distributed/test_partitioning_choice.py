@@ -218,18 +218,19 @@ def case_link_measured_without_activations(rank, world_size):
 
 
 def case_bucket_sizes_reach_every_rank(rank, world_size):
-    """Rank 0's choice of bucket sizes (the first one of its own size, or as large as the others)
-    and its runner-up reach every rank whole, and each is laid out while on trial."""
+    """Rank 0's choice of bucket sizes (the first one of its own size, or as large as the others),
+    its runner-up and its best whole buckets reach every rank whole, and each is laid out while on trial."""
     chosen = cost_model.Setting(None, None, 0.002, 0.001)
     runner_up = cost_model.Setting(None, None, 0.008)
+    best_whole = cost_model.Setting(None, None, 0.002)
     real_choose = plans.choose
-    plans.choose = lambda *args, **kwargs: cost_model.Choice(chosen, (), runner_up)
+    plans.choose = lambda *args, **kwargs: cost_model.Choice(chosen, (), runner_up, best_whole)
     try:
         torch.manual_seed(0)
         model = ParityNet()
         reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adam"])
         model, optimizer = commsched.prepare(model, OPTIMIZERS["adam"](model.parameters()), TINY)
-        trials = 3 * confirmation.ROUNDS * (SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS)
+        trials = 4 * confirmation.ROUNDS * (SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS)
         used = []
         for iteration, (x, y) in enumerate(batches(world_size, WARMUP_ITERATIONS + trials + 2)):
             local_step(model, optimizer, x, y, iteration, rank)
@@ -239,7 +240,8 @@ def case_bucket_sizes_reach_every_rank(rank, world_size):
     finally:
         plans.choose = real_choose
     trial = SETTLE_ITERATIONS + confirmation.TRIAL_ITERATIONS
-    expected = [(None, 0.002, 0.001), (None, 0.008, 0.008), (None, TINY.bucket_cap_mb, TINY.first_bucket_mb)]
+    expected = [(None, 0.002, 0.001), (None, 0.008, 0.008), (None, 0.002, 0.002),
+                (None, TINY.bucket_cap_mb, TINY.first_bucket_mb)]
     assert used[WARMUP_ITERATIONS:WARMUP_ITERATIONS + trials:trial] == expected * confirmation.ROUNDS, used
     assert_same_parameters(model, reference)
     assert_equal_on_all_ranks(model)

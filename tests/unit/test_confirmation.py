@@ -118,23 +118,38 @@ def test_a_failure_keeps_whole_buckets_and_ends_the_switch_points():
 RUNNER_UP = LayoutSetting(4.0, 16.0, 25.0, 1.0, True)
 
 
+BEST_WHOLE = LayoutSetting(None, None, 5.0, 1.0, True)
+
+
 @pytest.mark.parametrize(("times_ms", "kept"), [
     ({CHOSEN: 110.0, RUNNER_UP: 100.0, WHOLE: 120.0}, RUNNER_UP),  # the predictions ranked them wrongly
     ({CHOSEN: 100.0, RUNNER_UP: 110.0, WHOLE: 120.0}, CHOSEN),
     ({CHOSEN: 119.0, RUNNER_UP: 118.0, WHOLE: 120.0}, WHOLE),
+    ({CHOSEN: 110.0, RUNNER_UP: 105.0, BEST_WHOLE: 100.0, WHOLE: 120.0}, BEST_WHOLE),
+    ({CHOSEN: 100.0, RUNNER_UP: 105.0, BEST_WHOLE: 110.0, WHOLE: 120.0}, CHOSEN),
 ])
-def test_the_runner_up_is_measured_too(times_ms, kept):
+def test_the_settings_measured_beside_the_choice(times_ms, kept):
     def cost(setting, iteration):
         return times_ms[setting] / 1e3
 
-    unfinished, _ = run(cost, iterations=LENGTH - 1, runner_up=RUNNER_UP)
+    beside = [setting for setting in times_ms if setting not in (CHOSEN, WHOLE)]
+    length = len(times_ms) * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
+    assert length <= LENGTH
+    unfinished, _ = run(cost, iterations=length - 1, beside=beside)
     assert unfinished.next_switch is not None
-    log, seen = run(cost, iterations=LENGTH, runner_up=RUNNER_UP)
-    assert log.next_switch is None and set(seen) == {CHOSEN, RUNNER_UP, WHOLE}
+    log, seen = run(cost, iterations=length, beside=beside)
+    assert log.next_switch is None and set(seen) == set(times_ms)
     assert log.current == kept
     text = confirmation.describe(log, CHOSEN, WHOLE)
     assert all(f"{ms:.2f} ms" in text for ms in times_ms.values()), text
-    assert ("runner-up" in text) == (kept == RUNNER_UP), text
+    assert ("measured beside it" in text) == (kept in beside), text
+
+
+def test_a_setting_measured_beside_the_choice_is_measured_once():
+    log, seen = run(fixed(0.100, 0.120), beside=[CHOSEN, WHOLE, RUNNER_UP, RUNNER_UP])
+    assert set(seen) == {CHOSEN, RUNNER_UP, WHOLE}
+    with pytest.raises(ValueError, match="at most 4 settings"):
+        Confirmation(CHOSEN, WHOLE, [RUNNER_UP, BEST_WHOLE, LayoutSetting(None, None, 1.0, 1.0, True)])
 
 
 def test_settings_are_told_apart_by_their_first_bucket_too():

@@ -57,7 +57,9 @@ def test_bucket_sizes_ddp_users_sweep_are_candidates_where_the_gradients_fill_mo
     assert candidates(WHOLE, 25.0, 3 * MIB) == [WHOLE, one]
     assert candidates(WHOLE, 25.0, MIB) == [WHOLE]
     # without the small first bucket, where the gradients fill more than it
-    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0) == [WHOLE, five, one, Setting(None, None, 25.0), hundred]
+    # and each smaller size with the configured first bucket too, where that is smaller still
+    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0) == [
+        WHOLE, five, Setting(None, None, 5.0, 1.0), one, Setting(None, None, 25.0), hundred]
     assert candidates(WHOLE, 25.0, 26 * MIB, 25.0) == [WHOLE, five, one, hundred]
     # a fifth and a twenty-fifth of what is configured
     assert candidates(WHOLE, 100.0, 26 * MIB) == [WHOLE, Setting(None, None, 20.0), Setting(None, None, 4.0)]
@@ -89,9 +91,9 @@ def test_a_fast_link_gets_fewer_collectives():
     """Communication hides behind compute anyway: fewer collectives cost less, down to one
     bucket without the small first one. (Whole buckets put the first layers' gradients into one
     large bucket that the next forward pass waits for, so on a merely fast link smaller buckets
-    win: 5 MiB ones wait as long as 4 MiB partitions, in one collective fewer.)"""
+    win: 5 MiB ones behind a 1 MiB first one, which the next forward pass waits for least.)"""
     params = layers()
-    for bytes_per_s, expected in ((5e9, Setting(None, None, 5.0)), (1e12, Setting(None, None, 25.0))):
+    for bytes_per_s, expected in ((5e9, Setting(None, None, 5.0, 1.0)), (1e12, Setting(None, None, 25.0))):
         link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
         for overlap in (True, False):
             choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=overlap)
@@ -144,3 +146,18 @@ def test_communication_that_takes_the_cpu_hides_nothing():
     chosen = next(p for p in on_the_cpu.predictions if p.setting == on_the_cpu.setting)
     configured = next(p for p in on_the_cpu.predictions if p.setting == CONFIGURED)
     assert configured.contention_s > chosen.contention_s
+
+
+def test_the_cheapest_whole_buckets_of_another_size_are_measured_beside_the_choice():
+    """Whatever the choice and its runner-up, the best-predicted bucket size sent whole (what torch DDP's
+    users would sweep for) goes to the check on measured iterations too, once."""
+    params = layers()
+    for bytes_per_s in (80 * 2**20, 5e9, 1e12):
+        link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
+        choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=True)
+        sized = sorted((p for p in choice.predictions if p.setting.partition_mb is None
+                        and p.setting.bucket_cap_mb is not None
+                        and p.setting not in (choice.setting, choice.runner_up)),
+                       key=lambda p: (round(p.cost_s, 6), p.collectives))
+        assert choice.best_whole == sized[0].setting, choice.reason
+        assert choice.best_whole.bucket_cap_mb is not None and choice.best_whole.partition_mb is None
