@@ -119,23 +119,18 @@ def choose_on_rank0(
     if calibration.link is None:
         raise ValueError("the cost model needs the link: calibrate(..., with_link=True)")
     choice = timeline = None
-    message = torch.zeros(3 * _SETTING_FLOATS + 2, dtype=torch.float64)
+    message = torch.zeros(_SETTING_FLOATS + 2 * _OPTIONAL_FLOATS, dtype=torch.float64)
     if dist.get_rank(control_group) == 0:
         timeline = Timeline(warmup.slot_ready_s, warmup.forward_s, calibration.link, calibration.transport_cpu_share)
         choice = choose(setting, priority, layout.params, layout.forward_order, timeline)
-        message = torch.tensor([*_encode(choice.setting), *_encode(choice.runner_up or Setting(None, None)),
-                                *_encode(choice.best_whole or Setting(None, None)),
-                                float(choice.runner_up is not None), float(choice.best_whole is not None)],
-                               dtype=torch.float64)
+        message = torch.tensor([*_encode(choice.setting), *_encode_optional(choice.runner_up),
+                                *_encode_optional(choice.best_whole)], dtype=torch.float64)
     if dist.get_world_size(control_group) > 1:
         work = dist.broadcast(message, group=control_group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's choice of partitions")
     if choice is None:
-        settings = [Setting(*(_decode_mb(v) for v in message[i * _SETTING_FLOATS:(i + 1) * _SETTING_FLOATS]))
-                    for i in range(3)]
-        runner_up = settings[1] if message[3 * _SETTING_FLOATS] > 0 else None
-        best_whole = settings[2] if message[3 * _SETTING_FLOATS + 1] > 0 else None
-        choice = Choice(settings[0], (), runner_up, best_whole)
+        n, m = _SETTING_FLOATS, _OPTIONAL_FLOATS
+        choice = Choice(_decode(message[:n]), (), _decode_optional(message[n:n + m]), _decode_optional(message[n + m:]))
     return choice, timeline
 
 
@@ -143,9 +138,25 @@ _SETTING_FLOATS = 4
 """A `Setting` on the wire: its partition, credit, bucket and first bucket sizes."""
 
 
+_OPTIONAL_FLOATS = _SETTING_FLOATS + 1
+"""A `Setting` or None on the wire: the setting (any, for None), then 1 if there is one."""
+
+
 def _encode(setting: Setting) -> list[float]:
     values = (setting.partition_mb, setting.credit_mb, setting.bucket_cap_mb, setting.first_bucket_mb)
     return [_encode_mb(v) for v in values]
+
+
+def _decode(values: torch.Tensor) -> Setting:
+    return Setting(*(_decode_mb(v) for v in values))
+
+
+def _encode_optional(setting: Setting | None) -> list[float]:
+    return [*_encode(setting or Setting(None, None)), float(setting is not None)]
+
+
+def _decode_optional(values: torch.Tensor) -> Setting | None:
+    return _decode(values[:_SETTING_FLOATS]) if values[_SETTING_FLOATS] > 0 else None
 
 
 def _encode_mb(value: float | None) -> float:
