@@ -270,10 +270,14 @@ def _end_as_a_script_ends(crash_log: str) -> None:
     finalization, which is where a thread still running aborts a training script after a
     clean run. So the rank runs the exit handlers here (commsched's, for models never
     released), as a script's end would, and then fails if any thread still runs: it would
-    have met the finalization."""
+    have met the finalization. Threads that Python did not start are not counted: autograd's
+    CUDA device threads, for one, show as ``threading._DummyThread`` once a hook run there asks
+    for the current thread (a log record does), and they wait in C++ for the next backward,
+    not in the interpreter."""
     atexit._run_exitfuncs()
     running = [thread.name for thread in threading.enumerate()
-               if thread is not threading.main_thread() and thread.is_alive()]
+               if thread is not threading.main_thread() and thread.is_alive()
+               and not isinstance(thread, threading._DummyThread)]
     if running:
         with open(crash_log, "a") as log:
             log.write(f"threads still running after the exit handlers: {', '.join(running)}. At a script's end "

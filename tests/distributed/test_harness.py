@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import _thread
 import os
+import threading
 import time
 
 import pytest
@@ -55,6 +57,26 @@ def rank1_leaves_a_thread_running(rank: int, world_size: int) -> None:
 
     if rank == 1:
         threading.Thread(target=a_thread_still_running_at_exit, name="left behind", daemon=True).start()
+
+
+def rank1_has_a_thread_python_did_not_start(rank: int, world_size: int) -> str:
+    """As autograd's CUDA device thread that ran a hook which logged: a foreign thread that asked
+    for its ``threading`` object, so shows in ``threading.enumerate()``, and then waits outside
+    the interpreter for work that never comes."""
+    if rank == 1:
+        seen = threading.Event()
+        never_released = _thread.allocate_lock()
+        never_released.acquire()
+
+        def foreign() -> None:
+            threading.current_thread()
+            seen.set()
+            never_released.acquire()
+
+        _thread.start_new_thread(foreign, ())
+        assert seen.wait(30)
+        assert any(isinstance(thread, threading._DummyThread) for thread in threading.enumerate())
+    return "done"
 
 
 def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
@@ -148,3 +170,8 @@ def test_a_rank_that_leaves_a_thread_running_at_exit_is_reported():
     with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nreported success, then left threads running at "
                                           r"exit.*threads still running after the exit handlers: left behind"):
         run_ranks(rank1_leaves_a_thread_running, 2, timeout_s=60)
+
+
+def test_a_thread_python_did_not_start_is_not_reported_at_exit():
+    """[Note: ranks end as a script ends]: such threads wait in C++, not in the interpreter."""
+    assert run_ranks(rank1_has_a_thread_python_did_not_start, 2, timeout_s=60) == ["done", "done"]
