@@ -11,8 +11,8 @@ The parameters of a bucket live in one flat buffer of the bucket's padded
 size (``param.data`` becomes a view into it, the same ``Parameter`` objects),
 so the all-gather writes them in place: no copy and no staging buffer. The
 all-gathers go on a process group of their own (one per user group, shared by
-the models sharded on it), issued in one order on every rank (`update_order`, the forward order of the buckets): the updates run when
-the forward pass needs them, whose timing differs between ranks, and a group
+the models sharded on it), issued in one order on every rank (`update_order`,
+the forward order of the buckets): the updates run when the forward pass needs them, whose timing differs between ranks, and a group
 shared with anything else would match operations by arrival.
 
 State keeps torch.optim's format wherever it leaves commsched:
@@ -72,6 +72,9 @@ WHOLE_FIRST_BUCKET_BYTES = 2**20
 
 FullState = dict[torch.nn.Parameter, dict[str, Any]]
 """Per parameter, torch.optim's state for it (whole tensors)."""
+
+FragmentStates = dict[tuple[int, int], dict[str, Any]]
+"""Per (bucket, number of the fragment among this rank's in that bucket), the fragment's state."""
 
 
 def sharding_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -135,8 +138,16 @@ class ShardedUpdate:
         unchanged = (bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
                      and whole == self._whole_bucket)
         if not unchanged:
-            held = self._gather_state() if self._shards else self._take_optimizer_state()
-            self._cut(layout, held, whole)
+            group = self._group()
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            # The whole bucket is one rank's in a world of one: no padding, nothing to gather.
+            shards = [shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
+                                   *((0, 1) if index == whole else (rank, world_size)))
+                      for index, bucket in enumerate(layout.buckets)]
+            state = (self._reshard_state(layout, shards) if self._shards
+                     else _fragments_of(self._take_optimizer_state(), layout, shards))
+            self._rank, self._world_size = rank, world_size
+            self._cut(layout, shards, state, whole)
         self._updater = BucketUpdater(
             self._optimizer,
             [[piece for _, piece in fragments] for fragments in self._fragments],
@@ -152,18 +163,14 @@ class ShardedUpdate:
             checkpoint_id, self._pending_load = self._pending_load, None
             self.load_sharded(checkpoint_id)
 
-    def _cut(self, layout: GradLayout, held: FullState, whole: int | None) -> None:
-        """New chunks: the parameters move into one flat buffer per bucket, and this rank keeps
-        its fragments of ``held`` (the whole state); of bucket ``whole``, everything."""
-        group = self._group()
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self._rank, self._world_size, self._whole_bucket = rank, world_size, whole
-        self._shards, self._flats, self._bucket_params, self._fragments = [], [], [], []
+    def _cut(self, layout: GradLayout, shards: Sequence[BucketShard], state: FragmentStates,
+             whole: int | None) -> None:
+        """New chunks: the parameters move into one flat buffer per bucket, and this rank's
+        fragments take their ``state``; of bucket ``whole``, every rank holds everything."""
+        self._whole_bucket = whole
+        self._shards, self._flats, self._bucket_params, self._fragments = list(shards), [], [], []
         self._state = defaultdict(dict)
-        for index, bucket in enumerate(layout.buckets):
-            # The whole bucket is one rank's in a world of one: no padding, nothing to gather.
-            shard = shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
-                                 *((0, 1) if index == whole else (rank, world_size)))
+        for index, (bucket, shard) in enumerate(zip(layout.buckets, shards, strict=True)):
             flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.flat.device)
             with torch.no_grad():
                 for param, offset in zip(bucket.params, bucket.offsets, strict=True):
@@ -171,20 +178,19 @@ class ShardedUpdate:
                     view.copy_(param.detach())
                     param.data = view
             fragments = []
-            for fragment in shard.fragments:
+            for number, fragment in enumerate(shard.fragments):
                 piece = flat[fragment.bucket_offset:fragment.bucket_offset + fragment.numel]
                 fragments.append((fragment, piece))
-                full = held.get(bucket.params[fragment.position])
-                if full:
-                    self._state[piece] = _slice_state(full, bucket.params[fragment.position], fragment)
-            self._shards.append(shard)
+                if (index, number) in state:
+                    self._state[piece] = state.pop((index, number))
             self._flats.append(flat)
             self._bucket_params.append(tuple(bucket.params))
             self._fragments.append(fragments)
 
     def detach(self) -> None:
         """The buckets are about to be laid out anew: let go of their gradients. The chunks stay
-        until `attach` knows whether they change (only then is the whole state gathered)."""
+        until `attach` knows whether they change (only then is the state resharded: see
+        [Note: resharding one bucket at a time])."""
         self._updater = None
 
     def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
@@ -372,49 +378,73 @@ class ShardedUpdate:
         return taken
 
     def _gather_state(self) -> FullState:
-        """Every parameter's whole state, on every rank: per bucket, one all-gather per kind of
-        state tensor, and one all-reduce of which parameters have state and their step."""
+        """Every parameter's whole state, on every rank (collective), in tensors of its own."""
+        self._wait_all_updated()
+        return {param: {key: value.clone() for key, value in state.items()}
+                for bucket in range(len(self._shards)) for param, state in self._gather_bucket(bucket).items()}
+
+    def _reshard_state(self, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
+        """This rank's fragments of the state in a new layout (collective). [Note: resharding one
+        bucket at a time] Each old bucket's whole state is gathered, cut to the fragments this
+        rank owns in the new layout and let go before the next, and the old fragments go with
+        it: at most one bucket's whole state exists at a time. Gathering every bucket first would
+        hold the whole model's state on every rank at the end of warm-up (and at each of the
+        auto-tuner's new layouts), a peak above the unsharded backend's."""
+        self._wait_all_updated()
+        state: FragmentStates = {}
+        for bucket in range(len(self._shards)):
+            state.update(_fragments_of(self._gather_bucket(bucket), layout, shards))
+            for _, piece in self._fragments[bucket]:
+                self._state.pop(piece, None)
+        return state
+
+    def _wait_all_updated(self) -> None:
         for bucket in list(self._in_flight):
             self.wait_updated(bucket)
+
+    def _gather_bucket(self, bucket: int) -> FullState:
+        """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
+        per kind of state tensor, and one all-reduce of which parameters have state and their
+        step. The tensors are views into one buffer per kind."""
         group = self._group()
+        shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
+                                          self._fragments[bucket])
         gathered: FullState = {}
-        for shard, flat, params, fragments in zip(self._shards, self._flats, self._bucket_params, self._fragments,
-                                                  strict=True):
-            device = flat.device
-            presence = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
+        device = flat.device
+        presence = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
+        for fragment, piece in fragments:
+            state = self._state.get(piece)
+            if state:
+                presence[fragment.position] = 1
+                step = state.get("step")
+                presence[len(params) + fragment.position] = float(step) if step is not None else 0.0
+        if shard.world_size > 1:
+            self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                       "the all-reduce of which parameters have optimizer state")
+        has_state = presence[:len(params)].tolist()
+        steps = presence[len(params):].tolist()
+        keys = self._state_keys(params)
+        offsets = _offsets(params)
+        tensors: dict[str, torch.Tensor] = {}
+        for key in keys:
+            full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=device)
             for fragment, piece in fragments:
-                state = self._state.get(piece)
-                if state:
-                    presence[fragment.position] = 1
-                    step = state.get("step")
-                    presence[len(params) + fragment.position] = float(step) if step is not None else 0.0
+                value = self._state.get(piece, {}).get(key)
+                if value is not None:
+                    full[fragment.bucket_offset:fragment.bucket_offset + fragment.numel].copy_(value)
             if shard.world_size > 1:
-                self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                           "the all-reduce of which parameters have optimizer state")
-            has_state = presence[:len(params)].tolist()
-            steps = presence[len(params):].tolist()
-            keys = self._state_keys(params)
-            offsets = _offsets(params)
-            tensors: dict[str, torch.Tensor] = {}
-            for key in keys:
-                full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=device)
-                for fragment, piece in fragments:
-                    value = self._state.get(piece, {}).get(key)
-                    if value is not None:
-                        full[fragment.bucket_offset:fragment.bucket_offset + fragment.numel].copy_(value)
-                if shard.world_size > 1:
-                    mine = full[shard.start:shard.start + shard.chunk]
-                    self._wait(all_gather_single(full, mine, group=group, async_op=True),
-                               f"the all-gather of optimizer state {key!r}")
-                tensors[key] = full
-            for position, param in enumerate(params):
-                if not has_state[position] or id(param) not in self._group_of:
-                    continue
-                group_keys = self._keys_of_group(self._group_of[id(param)])
-                state = {key: view_like(tensors[key], offsets[position], param).clone() for key in group_keys}
-                if self._kind != "sgd":
-                    state["step"] = torch.tensor(steps[position], dtype=torch.float32)
-                gathered[param] = state
+                mine = full[shard.start:shard.start + shard.chunk]
+                self._wait(all_gather_single(full, mine, group=group, async_op=True),
+                           f"the all-gather of optimizer state {key!r}")
+            tensors[key] = full
+        for position, param in enumerate(params):
+            if not has_state[position] or id(param) not in self._group_of:
+                continue
+            group_keys = self._keys_of_group(self._group_of[id(param)])
+            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys}
+            if self._kind != "sgd":
+                state["step"] = torch.tensor(steps[position], dtype=torch.float32)
+            gathered[param] = state
         return gathered
 
     def _wait(self, work: dist.Work, what: str) -> None:
@@ -449,6 +479,18 @@ def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
         offsets.append(total)
         total += param.numel()
     return offsets
+
+
+def _fragments_of(held: FullState, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
+    """The state of this rank's fragments (of ``shards``) of the parameters ``held`` has."""
+    state: FragmentStates = {}
+    for index, shard in enumerate(shards):
+        params = layout.buckets[index].params
+        for number, fragment in enumerate(shard.fragments):
+            full = held.get(params[fragment.position])
+            if full:
+                state[(index, number)] = _slice_state(full, params[fragment.position], fragment)
+    return state
 
 
 def _slice_state(full: dict[str, Any], param: torch.Tensor, fragment: Fragment) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from torch.distributed.algorithms.join import Join
 
 import commsched
 import commsched.update.sharded
+from commsched.bench.memory import fix_mmap_threshold, own_peak_rss_mib
+from commsched.layout.grad_layout import GradLayout, build_layout
 from commsched.testing import (
     OPTIMIZERS,
     assert_equal_on_all_ranks,
@@ -466,3 +468,86 @@ def sharded_checkpoints(rank: int, world_size: int, directory: str) -> None:
 @in_shared_ranks(sharded_checkpoints, 2, timeout_s=200, tmp_dir=True)
 def test_sharded_checkpoints(shared_ranks):
     shared_ranks.result()
+
+
+RESHARD_WIDTH, RESHARD_LAYERS = 512, 32
+"""1 MiB per parameter, Adam's state 64 MiB in all: far above what else a new layout allocates."""
+RESHARD_CAPS_MB = (4.5, 2.5)
+"""Buckets of four parameters, then of two: every rank's fragments change."""
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reset_peak_rss() -> None:
+    """Linux: from now on ``ru_maxrss`` is the peak since this call."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def resharding_rise(rank: int, world_size: int) -> dict | None:
+    """[Note: resharding one bucket at a time] The sharded update policy on its own: Adam steps
+    on one layout, then the buckets are laid out anew (as the cost model's choice and the
+    auto-tuner's switch points do) and every rank's fragments change. How far the peak RSS rose
+    above the RSS before while the state moved; afterwards the parameters and the whole state
+    must be single-process Adam's. None where glibc's mmap threshold cannot be fixed (then freed
+    blocks stay resident and the peak says nothing)."""
+    if not fix_mmap_threshold():
+        return None
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(RESHARD_WIDTH, RESHARD_WIDTH)) for _ in range(RESHARD_LAYERS)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer, reference_optimizer = torch.optim.Adam(params, lr=1e-3), torch.optim.Adam(reference, lr=1e-3)
+    updates = commsched.update.sharded.ShardedUpdate(optimizer, True, lambda: dist.group.WORLD, timeout_s=60)
+
+    def laid_out(cap_mb: float) -> GradLayout:
+        return build_layout([f"p{i}" for i in range(len(params))], params, range(len(params)),
+                            [int(cap_mb * 2**20)] * 2, False, lambda bucket_set: [])
+
+    def both_step(step: int) -> None:
+        for param, expected in zip(params, reference, strict=True):
+            gradient = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))  # averaged: alike
+            param.grad.copy_(gradient)
+            expected.grad = gradient.clone()
+        updates.step_on_current_gradients(optimizer.step, again=False)
+        reference_optimizer.step()
+
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    cap_mb, new_cap_mb = RESHARD_CAPS_MB
+    updates.attach(laid_out(cap_mb))
+    for step in range(3):
+        both_step(step)
+    layouts = [updates.sharding().chunk_elements]
+    updates.detach()
+    layout = laid_out(new_cap_mb)
+    before = resident_mib()
+    reset_peak_rss()
+    updates.attach(layout)
+    rise = own_peak_rss_mib() - before
+    layouts.append(updates.sharding().chunk_elements)
+    both_step(3)
+    updates.close()  # the whole state back in the optimizer
+    for param, expected in zip(params, reference, strict=True):
+        torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer.state[param][key], reference_optimizer.state[expected][key],
+                                       rtol=1e-5, atol=1e-7)
+    whole_state_mib = 2 * sum(p.numel() * p.element_size() for p in params) / 2**20
+    return {"rise_mib": rise, "layouts": layouts, "whole_state_mib": whole_state_mib}
+
+
+@in_shared_ranks(resharding_rise, 2, timeout_s=200)
+def test_a_new_layout_never_gathers_the_whole_state(shared_ranks):
+    """Resharding holds at most one old bucket's whole state at a time, not the model's (it held
+    all of it, and more, when every bucket was gathered before any was cut)."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
+    for result in shared_ranks.result():
+        if result is None:
+            pytest.skip("needs glibc's mallopt to fix the mmap threshold")
+        before, after = result["layouts"]
+        assert before != after, f"the layout did not change, so nothing was resharded: {before}"
+        assert result["rise_mib"] < result["whole_state_mib"] / 2, result
