@@ -12,8 +12,9 @@ size (``param.data`` becomes a view into it, the same ``Parameter`` objects),
 so the all-gather writes them in place: no copy and no staging buffer. The
 all-gathers go on a process group of their own (one per user group, shared by
 the models sharded on it), issued in one order on every rank (`update_order`,
-the forward order of the buckets): the updates run when the forward pass needs them, whose timing differs between ranks, and a group
-shared with anything else would match operations by arrival.
+the forward order of the buckets): the updates run when the forward pass needs
+them, whose timing differs between ranks, and a group shared with anything else
+would match operations by arrival.
 
 State keeps torch.optim's format wherever it leaves commsched:
 ``optimizer.state_dict()`` gathers the full per-parameter state (a collective:
