@@ -121,8 +121,8 @@ def main() -> None:
           + where[backend])
     results = {}
     for system in SYSTEMS:
-        per_rank = run_ranks(train_one_system, args.world_size, args.device, system, args.width, args.layers, args.batch,
-                             args.warmup, args.iterations, backend=backend, timeout_s=600)
+        per_rank = run_ranks(train_one_system, args.world_size, args.device, system, args.width, args.layers,
+                             args.batch, args.warmup, args.iterations, backend=backend, timeout_s=600)
         results[system] = per_rank
     peak = "peak MiB" if args.device == "cuda" else "peak RSS MiB"
     print(f"{'system':<44}{peak:>13}{'state MiB':>11}{'ms/iter':>9}")
