@@ -116,7 +116,8 @@ def _prepare(
                 DeprecationWarning, stacklevel=2,
             )
             raise ServingFinished(side.serve())
-        groups = ProcessGroups(side.worker_group, side.buffer_group or side.worker_group, side.worker_group)
+        groups = ProcessGroups(side.worker_group, side.buffer_group or side.worker_group, side.worker_group,
+                               owned=side.made_groups)
         reducer = GradientReducer(model, config, side.transport, side.policy, groups)
     else:
         groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)

@@ -158,3 +158,20 @@ def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
             if id(side) in dropped:
                 del cache[user_group]
 
+
+
+def destroy_own_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
+    """[Note: groups a model made for itself] torch keeps every group ``new_group`` made, with its
+    threads, until ``destroy_process_group`` names it (or destroys them all): dropping the last
+    reference frees nothing. A group made for one model alone (a parameter-server job's) is
+    destroyed when the model, or its server, is done with it; else each ``prepare()`` would
+    leave its groups' threads running to the end of the process, to be freed only at the
+    interpreter's finalization. Local: it waits for no peer. Never for a group after a
+    failure, which is abandoned instead (see [Note: exit after a failure] in commsched/errors.py)."""
+    for group in groups:
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # torch no longer knows it: the script destroyed every group
+            pass

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from commsched.comm.side_groups import destroy_own_groups
+
 
 @dataclass
 class ProcessGroups:
@@ -38,6 +40,15 @@ class ProcessGroups:
     """With sharded optimizer state, the all-gathers of updated parameters: a group of their own
     (shared by the models sharded on one user group), since they start at the forward pass's
     gates (see [Note: sharded optimizer state] in `commsched.update.sharded`)."""
+
+    owned: tuple[dist.ProcessGroup, ...] = ()
+    """Groups made for this model alone (a parameter-server job's), destroyed when it lets go of
+    them (see [Note: groups a model made for itself])."""
+
+    def destroy_owned(self) -> None:
+        """Not after a failure, whose groups are abandoned instead (`commsched.errors`)."""
+        destroy_own_groups(self.owned)
+        self.owned = ()
 
     def forget(self) -> None:
         self.replicas = self.buffers = self.control = self.parameters = None

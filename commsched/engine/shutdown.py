@@ -4,7 +4,7 @@ It tells the peers this rank is done (the transport's `finish`), waits for the
 completion callbacks still to run (see [Note: callbacks at exit] in
 `commsched.engine.completion`), drops the operations of the last pass, lets go
 of the process groups (see [Note: process groups at exit] in
-`commsched.engine.groups`) and flushes the observers (the trace). After a
+`commsched.engine.groups`), destroying those made for the model alone, and flushes the observers (the trace). After a
 `CommunicationTimeout` in this process nothing waits: callbacks still to come
 are dropped and the groups are abandoned, never freed (see [Note: exit after a
 failure] in `commsched.errors`).
@@ -67,6 +67,8 @@ class Shutdown:
         last = self._last_pass()
         if last is not None:
             last.drop_handles()
+        if not communication_failed():
+            groups.destroy_owned()
         groups.forget()
         self._transport.forget_process_groups()
         forget_destroyed()  # a destroyed group's side group is freed here, like the groups above

@@ -26,6 +26,13 @@ class WorkerSide:
     worker_group: dist.ProcessGroup
     """The workers only: order and plan agreements."""
     buffer_group: dist.ProcessGroup | None
+    transport_group: dist.ProcessGroup
+    """Workers and servers: pushes, pulls and commands."""
+
+    @property
+    def made_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The groups this job made for the model (see [Note: groups a model made for itself])."""
+        return tuple(g for g in (self.worker_group, self.buffer_group, self.transport_group) if g is not None)
 
 
 def check_parameter_server_setup(optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup) -> None:
@@ -87,4 +94,4 @@ def join_parameter_server_job(
         return ParameterServer(model, optimizer, config, roles, transport_group, board)
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     transport = ParameterServerTransport(config, roles, transport_group, optimizer, params, board)
-    return WorkerSide(transport, ServerSideUpdate(transport), worker_group, buffer_group)
+    return WorkerSide(transport, ServerSideUpdate(transport), worker_group, buffer_group, transport_group)

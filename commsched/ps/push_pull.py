@@ -266,6 +266,10 @@ class ParameterServerTransport:
 
     def forget_process_groups(self) -> None:
         self.group = None  # type: ignore[assignment]
+        # The last pushes and headers, done by now, hold the group's gloo context (and its device's
+        # loop thread) for as long as they are referenced.
+        self._push_works = [None] * len(self._push_works)
+        self._header_sends = []
 
     # ---------------------------------------------------------------- messages
     def send_command(self, server: int, command: Command) -> None:

@@ -41,6 +41,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from commsched.comm.side_groups import destroy_own_groups
 from commsched.errors import wait_work
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import fifo_plan
@@ -201,6 +202,7 @@ class ParameterServer:
             for work, _, _ in sends:
                 self._wait(work, self._timeout, quiet=True)
         logger.info("commsched: %s", report.describe())
+        destroy_own_groups([self.group])  # see [Note: groups a model made for itself]
         self.group = self._checkpoints = None  # type: ignore[assignment]  # see [Note: process groups at exit]
         return report
 

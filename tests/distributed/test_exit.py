@@ -28,6 +28,9 @@ from commsched.testing.models import ParityNet
 pytestmark = pytest.mark.distributed
 
 
+GLOO_THREADS_END_WITHIN_S = 5.0
+
+
 def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -62,6 +65,33 @@ def groups_of_an_adopting_model_freed_at_release(rank: int, world_size: int) -> 
     commsched.release(model)
     del model  # the wrapper holds its process_group, as torch DDP's does
     return with_world_group, thread_count()
+
+
+def threads_after_parameter_server_jobs(rank: int, world_size: int) -> list[int]:
+    """Two parameter-server jobs in turn (workers release their models, the server serves each):
+    this rank's thread count before the first and after each, once the destroyed groups' threads
+    ended (gloo's loops take a moment after ``destroy_process_group`` returns). A job's groups are
+    destroyed when the rank is done with them ([Note: groups a model made for itself])."""
+    strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=1))
+    counts = [thread_count()]
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = ParityNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rank == world_size - 1:
+            commsched.serve(model, optimizer, strategy)
+        else:
+            model, optimizer = commsched.prepare(model, optimizer, strategy)
+            for _ in range(2):
+                F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            commsched.release(model)
+        deadline = time.monotonic() + GLOO_THREADS_END_WITHIN_S
+        while thread_count() > counts[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts.append(thread_count())
+    return counts
 
 
 def operations_left_in_cyclic_garbage(rank: int, world_size: int) -> int:
@@ -104,6 +134,16 @@ def test_destroyed_groups_are_freed_at_exit():
         assert after_destroy > with_world_group, (rank, with_world_group, after_destroy)
         # ... until release (or the exit handler) lets go and the group's destructor joins them.
         assert at_exit <= with_world_group, (rank, with_world_group, after_destroy, at_exit)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_a_parameter_server_job_leaves_no_group_running():
+    """Each job made three groups (workers, buffers, transport) that torch kept, with their
+    threads, to the end of the process: a worker's threads grew by 9 per job. Then the last
+    pushes' operations held the transport group's gloo device, and its loop thread, alive."""
+    for rank, (before, after_first, after_second) in enumerate(
+            run_ranks(threads_after_parameter_server_jobs, 3, timeout_s=120)):
+        assert after_first <= before and after_second <= before, (rank, before, after_first, after_second)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
