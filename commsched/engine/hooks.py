@@ -18,6 +18,7 @@ watched during warm-up) belong to the objects of that phase.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -114,7 +115,15 @@ class ModelHooks:
 
 
 def _gradient_hook(target: HookTarget, slot: int) -> Callable[[torch.Tensor], None]:
+    """[Note: tensor hooks hold their target weakly] A tensor's hooks live in a dict its C++
+    side holds, which the garbage collector cannot see into: a hook holding the reducer, which
+    holds the parameters, made a cycle it could never break, so a model dropped without
+    ``commsched.release`` kept its buckets, reducer and parameters for the rest of the process."""
+    target_ref = weakref.ref(target)
+
     def on_gradient_accumulated(param: torch.Tensor) -> None:
-        target.gradient_ready(slot, param)
+        target = target_ref()
+        if target is not None:
+            target.gradient_ready(slot, param)
 
     return on_gradient_accumulated
