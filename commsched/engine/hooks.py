@@ -118,7 +118,8 @@ def _gradient_hook(target: HookTarget, slot: int) -> Callable[[torch.Tensor], No
     """[Note: tensor hooks hold their target weakly] A tensor's hooks live in a dict its C++
     side holds, which the garbage collector cannot see into: a hook holding the reducer, which
     holds the parameters, made a cycle it could never break, so a model dropped without
-    ``commsched.release`` kept its buckets, reducer and parameters for the rest of the process."""
+    ``commsched.release`` kept its buckets, reducer and parameters for the rest of the process.
+    Now such a model goes at a collection once its last operations have finished."""
     target_ref = weakref.ref(target)
 
     def on_gradient_accumulated(param: torch.Tensor) -> None:
