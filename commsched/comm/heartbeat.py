@@ -326,7 +326,8 @@ class Heartbeat:
         if behind:
             where = ", ".join(f"rank {peer} at {_began(iterations[peer])}" for peer in sorted(behind))
             verdict.append(
-                f"{_ranks(behind)} did not answer in time: {_it_they(behind)} still run{'s' if len(behind) == 1 else ''} "
+                f"{_ranks(behind)} did not answer in time: {_it_they(behind)} "
+                f"still run{'s' if len(behind) == 1 else ''} "
                 f"(heartbeats arrive) but had not begun iteration {self._iteration}, where this rank waits "
                 f"({where}): probably busy outside this job's communication (data loading, evaluation, a "
                 "checkpoint) for longer than Strategy.timeout_s, or stuck there.")

@@ -159,7 +159,6 @@ def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
                 del cache[user_group]
 
 
-
 def destroy_own_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
     """[Note: groups a model made for itself] torch keeps every group ``new_group`` made, with its
     threads, until ``destroy_process_group`` names it (or destroys them all): dropping the last

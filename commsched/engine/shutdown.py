@@ -4,10 +4,11 @@ It tells the peers this rank is done (the transport's `finish`), waits for the
 completion callbacks still to run (see [Note: callbacks at exit] in
 `commsched.engine.completion`), drops the operations of the last pass, lets go
 of the process groups (see [Note: process groups at exit] in
-`commsched.engine.groups`), destroying those made for the model alone, and flushes the observers (the trace). After a
-`CommunicationTimeout` in this process nothing waits: callbacks still to come
-are dropped and the groups are abandoned, never freed (see [Note: exit after a
-failure] in `commsched.errors`).
+`commsched.engine.groups`), destroying those made for the model alone (see
+[Note: groups a model made for itself] in `commsched.comm.side_groups`), and
+flushes the observers (the trace). After a `CommunicationTimeout` in this
+process nothing waits: callbacks still to come are dropped and the groups are
+abandoned, never freed (see [Note: exit after a failure] in `commsched.errors`).
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ a small model), that cost is all that is left. So, at the end of warm-up, each
 candidate setting (the configured one, coarser partitions, finer ones with a
 credit window of one partition, whole buckets, and the bucket sizes torch DDP
 users sweep: a fifth and a twenty-fifth of the configured size, where slow links
-want more overlap, each also behind the configured first bucket, and for many hosts, where each collective pays a latency per
-hop of the ring, whole buckets without the small first one, and four times the
-configured size) is replayed on rank 0's measured timeline: per parameter, when
-its gradient became ready in the backward pass; how long the forward pass took;
-the link's latency and bandwidth. The predicted cost of a candidate is how long
+want more overlap, each also behind the configured first bucket, and for many
+hosts, where each collective pays a latency per hop of the ring, whole buckets
+without the small first one, and four times the configured size) is replayed on
+rank 0's measured timeline: per parameter, when its gradient became ready in the
+backward pass; how long the forward pass took; the link's latency and bandwidth. The predicted cost of a candidate is how long
 the training thread would wait for communication (at the end of backward without
 forward overlap; at the forward pass's layers with it, assuming the forward pass
 reaches each parameter in proportion to the bytes before it), plus the host work
