@@ -263,10 +263,8 @@ class Heartbeat:
         waited for at exit (see [Note: no beat at finalization])."""
         self._beat.stopped.set()
         self._thread.join(timeout=2 * BEAT_PERIOD_S)
-        if not self._thread.is_alive():
-            _RUNNING.discard(self._thread)
-            if self._origin is not None and self._store is not None:
-                _STORE_CLIENTS.give_back(self._origin, self._store)
+        if not self._thread.is_alive() and self._origin is not None and self._store is not None:
+            _STORE_CLIENTS.give_back(self._origin, self._store)  # the thread left `_RUNNING` as it ended
         self._store = None
 
     def lost_peers(self) -> str:
