@@ -19,7 +19,10 @@ and to DDP, and its peak CUDA memory, measured in a fresh process of its own
 ``--profile`` records a few iterations of commsched's default with
 torch.profiler and writes a compact timeline (per iteration, when the CPU
 launched it and when the GPU ran it; every host-blocking CUDA call), which
-``benchmarks/gpu_timeline_figure.py`` draws.
+``benchmarks/gpu_timeline_figure.py`` draws. ``--host-profile`` runs each
+system under cProfile (first model) and writes the functions that took the
+host's time, with each system's host time per iteration beside its time with
+the GPU waited for: where the two are equal the host sets the pace.
 """
 
 from __future__ import annotations
@@ -221,6 +224,40 @@ def timeline_of(events: list[dict], iterations: int) -> dict:
     return {"iterations": rows, "host_blocking_calls": blocking}
 
 
+def host_profile(model_name: str, systems: list[str], iterations: int = 20, top: int = 25) -> list[str]:
+    """Per system: host ms per iteration (launching only) against GPU-waited ms, and cProfile's top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    lines = []
+    base = build_model(model_name)
+    x, y = batch(model_name)
+    for name in systems:
+        run = build_system(name, model_name, base)
+        for _ in range(30):  # past commsched's warm-up and its first choices, as the timed rounds are
+            run.step(x, y)
+        run.drain()
+        started = time.perf_counter()
+        for _ in range(iterations):
+            run.step(x, y)
+        launched = time.perf_counter() - started
+        run.drain()
+        waited = time.perf_counter() - started
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(iterations):
+            run.step(x, y)
+        run.drain()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+        lines += [f"=== {name} ({model_name}): host {launched / iterations * 1e3:.2f} ms/iter launching, "
+                  f"{waited / iterations * 1e3:.2f} ms/iter with the GPU waited for", text.getvalue()]
+        del run
+    return lines
+
+
 def report(model_name: str, times: dict[str, list[float]], memory: dict[str, int]) -> list[str]:
     median = {name: statistics.median(t) for name, t in times.items()}
     lines = [f"{model_name} (batch {MODELS[model_name][1]}, bf16 autocast, {MODELS[model_name][2]}), "
@@ -244,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--json", help="write every round's times and the peaks here")
     parser.add_argument("--profile", help="write commsched's profiled timeline (first model) here")
+    parser.add_argument("--host-profile", help="write each system's cProfile (first model) here")
     parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -270,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
         for row in timeline["iterations"]:
             print(f"  iteration {row['iteration']}: CPU {row['cpu_start_ms']:.1f}-{row['cpu_end_ms']:.1f} ms, "
                   f"GPU {row['gpu_start_ms']:.1f}-{row['gpu_end_ms']:.1f} ms, {row['kernels']} kernels")
+    if args.host_profile:
+        lines = host_profile(args.models[0], args.systems, args.iterations)
+        with open(args.host_profile, "w") as f:
+            f.write("\n".join(lines))
+        print("\n".join(line for line in lines if line.startswith("===")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
