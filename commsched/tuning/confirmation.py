@@ -13,7 +13,11 @@ sent whole, as torch DDP sends its own, interleaved (`ROUNDS` rounds of
 each, `TRIAL_ITERATIONS` measured iterations per trial after one to settle
 on the new layout), and the partitions stay only if their median iteration
 is shorter by more than `CONFIRMATION_MARGIN` (`measured_choice` in
-`commsched.planning.cost_model`). Measured beside the choice: its runner-up,
+`commsched.planning.cost_model`) and they were faster in every round
+(`faster_in_every_round`: a slow spell of the hosts that falls on one trial
+of whole buckets must not decide for good; on a saturated machine, 16
+emulated hosts on 2 cores, iterations of one setting spread by half their
+length). Measured beside the choice: its runner-up,
 and the cheapest prediction of whole buckets of a size of their own (the
 bucket size torch DDP's users would find by sweeping), since the error grows
 with the number of collectives: at 8 hosts on 1 Gbit/s (the emulated
@@ -31,7 +35,7 @@ rank 0 measures and decides, every rank applies the same decision.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from commsched.layout.setting import LayoutSetting
 from commsched.planning.cost_model import Setting, measured_choice
@@ -73,6 +77,8 @@ class Confirmation:
         self._trial_iterations = trial_iterations
         self._next = 0
         self._samples: dict[LayoutSetting, list[float]] = {s: [] for s in (*self.candidates, whole)}
+        self._trial_medians: dict[LayoutSetting, list[float]] = {s: [] for s in self._samples}
+        """Per setting, the median of each of its trials, one per round."""
         self._intervals = IterationIntervals()
         self._current: LayoutSetting | None = None
 
@@ -86,6 +92,8 @@ class Confirmation:
         if self._current is not None:
             self._samples[self._current] += measured
             ended_ms = _median_ms(measured)
+            if ended_ms is not None:
+                self._trial_medians[self._current].append(ended_ms)
         self._intervals.measure_from = iteration + SETTLE_ITERATIONS
         if self._next < len(self._trials):
             self._current = self._trials[self._next]
@@ -99,13 +107,24 @@ class Confirmation:
                         window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]))
 
     def verdict(self) -> LayoutSetting:
-        """By median iteration, the fastest candidate if it beats ``whole`` by `CONFIRMATION_MARGIN`,
-        else ``whole`` (`measured_choice`)."""
-        return measured_choice({s: statistics.median(t) for s, t in self._samples.items() if t}, self.whole)
+        """By median iteration, the fastest candidate if it beats ``whole`` by `CONFIRMATION_MARGIN`
+        (`measured_choice`) and was faster than ``whole`` in every round, else ``whole``."""
+        choice = measured_choice({s: statistics.median(t) for s, t in self._samples.items() if t}, self.whole)
+        if choice != self.whole and not faster_in_every_round(self._trial_medians, choice, self.whole):
+            return self.whole
+        return choice
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
         return Decision(Phase.STOPPED, self.whole, 0)
+
+
+def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], setting: LayoutSetting,
+                          whole: LayoutSetting) -> bool:
+    """Whether each trial of ``setting`` was shorter than ``whole``'s of the same round (the
+    trials of each setting, in order: one per round)."""
+    ours, theirs = trial_ms.get(setting, ()), trial_ms.get(whole, ())
+    return bool(ours) and len(ours) == len(theirs) and all(a < b for a, b in zip(ours, theirs))
 
 
 def whole_buckets(setting: LayoutSetting) -> LayoutSetting:
@@ -130,6 +149,7 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     trials: dict[LayoutSetting, list[float]] = {}
     for trial in (log.studies[-1] if log.studies else []):
         trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
+    overall = measured_choice({s: statistics.median(ms) for s, ms in trials.items()}, whole)
     measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms"
                          for setting, ms in trials.items())
 
@@ -138,6 +158,9 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
 
     if log.current == chosen:
         verdict = "kept"
+    elif log.current == whole and overall != whole:
+        verdict = ("not faster than the configured buckets sent whole in every round (measurements too noisy to "
+                   "tell them apart), which stay")
     elif log.current == whole:
         verdict = "measured no faster than the configured buckets sent whole, which stay"
     else:

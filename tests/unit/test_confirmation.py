@@ -102,6 +102,28 @@ def test_noise_does_not_flip_a_clear_verdict(seed, gain):
     assert log.current == (CHOSEN if gain > 2 * MARGIN else WHOLE)
 
 
+def test_a_slow_spell_in_one_round_does_not_decide():
+    """Whole buckets' first trial falls in a slow spell of the hosts (130 ms), and the choice is
+    behind them in the next round (105 against 100): the medians over both rounds favour the
+    choice by more than the margin, but it was not faster in every round, so whole buckets stay."""
+    trial = SETTLE_ITERATIONS + TRIAL_ITERATIONS
+
+    def cost(setting, iteration):
+        first_round = (iteration - WARMUP_ITERATIONS) < 2 * trial
+        if setting == CHOSEN:
+            return 0.100 if first_round else 0.105
+        return 0.130 if first_round else 0.100
+
+    assert ROUNDS == 2
+    log, used = run(cost)
+    assert log.current == WHOLE and used[-1] == WHOLE
+    text = confirmation.describe(log, CHOSEN, WHOLE)
+    assert "not faster than the configured buckets sent whole in every round" in text, text
+    assert confirmation.faster_in_every_round({CHOSEN: [100.0, 105.0], WHOLE: [130.0, 100.0]}, CHOSEN, WHOLE) is False
+    assert confirmation.faster_in_every_round({CHOSEN: [100.0, 95.0], WHOLE: [130.0, 100.0]}, CHOSEN, WHOLE) is True
+    assert confirmation.faster_in_every_round({CHOSEN: [100.0], WHOLE: [130.0, 100.0]}, CHOSEN, WHOLE) is False
+
+
 def test_whole_buckets_need_no_confirmation():
     with pytest.raises(ValueError, match="nothing to confirm"):
         Confirmation(WHOLE, WHOLE)
