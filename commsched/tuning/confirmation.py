@@ -11,15 +11,15 @@ last: so when the cost model chooses partitions (or larger buckets), the
 first iterations after warm-up measure them against the configured buckets
 sent whole, as torch DDP sends its own, interleaved (`ROUNDS` rounds of
 each, `TRIAL_ITERATIONS` measured iterations per trial after one to settle
-on the new layout), and the partitions stay only if their median iteration
-is shorter by more than `CONFIRMATION_MARGIN` (`measured_choice` in
-`commsched.planning.cost_model`) and they were faster in every round
+on the new layout). Of the settings faster than whole buckets in every round
 (`faster_in_every_round`: a slow spell of the hosts that falls on one trial
-of whole buckets must not decide for good; on a saturated machine, 16
-emulated hosts on 2 cores, iterations of one setting spread by half their
-length). Measured beside the choice: its runner-up,
-and the cheapest prediction of whole buckets of a size of their own (the
-bucket size torch DDP's users would find by sweeping), since the error grows
+must not decide for good; on a saturated machine, 16 emulated hosts on 2
+cores, iterations of one setting spread by half their length), the fastest
+by median iteration stays if it is shorter by more than
+`CONFIRMATION_MARGIN` (`measured_choice` in `commsched.planning.cost_model`).
+Measured beside the choice: its runner-up, and the cheapest prediction of
+whole buckets of a size of their own (the bucket size torch DDP's users
+would find by sweeping), since the error grows
 with the number of collectives: at 8 hosts on 1 Gbit/s (the emulated
 ResNet-50), 1 MiB buckets (7 collectives) were predicted to leave 3-4 ms of
 waiting and left 35-51, while 5 MiB buckets with a 1 MiB first one (3
@@ -107,12 +107,11 @@ class Confirmation:
                         window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]))
 
     def verdict(self) -> LayoutSetting:
-        """By median iteration, the fastest candidate if it beats ``whole`` by `CONFIRMATION_MARGIN`
-        (`measured_choice`) and was faster than ``whole`` in every round, else ``whole``."""
-        choice = measured_choice({s: statistics.median(t) for s, t in self._samples.items() if t}, self.whole)
-        if choice != self.whole and not faster_in_every_round(self._trial_medians, choice, self.whole):
-            return self.whole
-        return choice
+        """Of the candidates faster than ``whole`` in every round, the fastest by median iteration if it
+        beats ``whole`` by `CONFIRMATION_MARGIN` (`measured_choice`), else ``whole``."""
+        return measured_choice({s: statistics.median(t) for s, t in self._samples.items()
+                                if t and (s == self.whole or faster_in_every_round(self._trial_medians, s, self.whole))},
+                               self.whole)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
@@ -156,13 +155,14 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     def ms(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f} ms"
 
+    noisy = "not faster than the configured buckets sent whole in every round (too noisy to tell apart)"
     if log.current == chosen:
         verdict = "kept"
-    elif log.current == whole and overall != whole:
-        verdict = ("not faster than the configured buckets sent whole in every round (measurements too noisy to "
-                   "tell them apart), which stay")
     elif log.current == whole:
-        verdict = "measured no faster than the configured buckets sent whole, which stay"
+        verdict = (f"{noisy}, which stay" if overall != whole else
+                   "measured no faster than the configured buckets sent whole, which stay")
+    elif overall == chosen:
+        verdict = f"{noisy}; {describe_choice(log.current)}, measured beside it, was, and is kept"
     else:
         verdict = f"measured slower than {describe_choice(log.current)}, measured beside it, which is kept"
     return (f"the cost model chose {partitions}, {verdict}: median iteration {ms(log.window_ms)} at best against "
