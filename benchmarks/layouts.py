@@ -12,7 +12,9 @@ the configured buckets sent whole), and commsched with each fixed layout of
 
 - ``BUCKET/FIRST``: whole buckets of BUCKET MiB, the first (the input side's,
   which the next forward pass needs first) FIRST MiB;
-- ``pPART/CREDIT``: partitions of PART MiB under a credit window of CREDIT MiB.
+- ``pPART/CREDIT``: partitions of PART MiB under a credit window of CREDIT MiB;
+  ``pPART/CREDIT/BUCKET/FIRST`` also sets the buckets they cut (as
+  ``commsched plan`` and the simulator's search spell a Strategy).
 
 The machine's cores are sampled over each cluster (`commsched.bench.cpu_guard`):
 a cluster whose median busy share is at or above its threshold measured the
@@ -41,19 +43,24 @@ WORKLOAD = "resnet50-emulated"
 
 
 def layout_system(text: str) -> Commsched:
-    """``BUCKET/FIRST`` or ``pPART/CREDIT`` (MiB) as a fixed-layout commsched system."""
+    """``BUCKET/FIRST``, ``pPART/CREDIT`` or ``pPART/CREDIT/BUCKET/FIRST`` (MiB) as a fixed-layout
+    commsched system."""
     partitions = text.startswith("p")
     try:
-        first, second = (float(part) for part in text.removeprefix("p").split("/"))
+        sizes = [float(part) for part in text.removeprefix("p").split("/")]
+        if len(sizes) != (4 if partitions and len(sizes) == 4 else 2):
+            raise ValueError(f"{len(sizes)} sizes")
+        first, second = sizes[:2]
         if partitions:
-            strategy = Strategy(partition_mb=first, credit_mb=second, adaptive=False)
+            buckets = {} if len(sizes) == 2 else {"bucket_cap_mb": sizes[2], "first_bucket_mb": sizes[3]}
+            strategy = Strategy(partition_mb=first, credit_mb=second, adaptive=False, **buckets)
         else:
             strategy = Strategy(partition_mb=None, credit_mb=None, bucket_cap_mb=first, first_bucket_mb=second,
                                 adaptive=False)
     except ValueError as error:
         raise argparse.ArgumentTypeError(
-            f"--layout {text!r}: give BUCKET/FIRST (whole buckets, MiB: 5/1) or pPART/CREDIT (partitions and "
-            f"credit window, MiB: p1/4); {error}") from None
+            f"--layout {text!r}: give BUCKET/FIRST (whole buckets, MiB: 5/1), pPART/CREDIT (partitions and "
+            f"credit window, MiB: p1/4) or pPART/CREDIT/BUCKET/FIRST (p2/2/5/1); {error}") from None
     return Commsched(strategy, ("partitions " if partitions else "whole ") + text.removeprefix("p"))
 
 
