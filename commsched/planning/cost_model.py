@@ -36,7 +36,8 @@ hides almost nothing. The cheapest wins; a tie goes to fewer collectives.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -177,16 +178,32 @@ CONFIRMATION_MARGIN = 0.03
 run to run on the emulated hosts; a smaller gain is not worth a choice that flips between runs."""
 
 
-def measured_choice(iteration_s: Mapping[T, float], whole: T) -> T:
+def measured_choice(iteration_s: Mapping[T, float], whole: T,
+                    layout_of: Callable[[T], LayoutSetting] | None = None) -> T:
     """Of settings and their iteration times (``whole``, the configured buckets sent whole, among
     them), the fastest other than ``whole`` if it beats ``whole`` by `CONFIRMATION_MARGIN`, else
     ``whole``: the rule a run applies to its measurements ([Note: confirming the choice] in
-    `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's."""
+    `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's. With ``layout_of``
+    (a setting's layout), of those within the margin of that fastest and as far ahead of ``whole``,
+    the one of fewest collectives (`fewer_collectives_first`): a tie going one way in every run."""
     others = [setting for setting in iteration_s if setting != whole]
     if whole not in iteration_s or not others:
         return whole
     fastest = min(others, key=iteration_s.__getitem__)
-    return fastest if iteration_s[fastest] < iteration_s[whole] * (1 - CONFIRMATION_MARGIN) else whole
+    if iteration_s[fastest] >= iteration_s[whole] * (1 - CONFIRMATION_MARGIN):
+        return whole
+    if layout_of is None:
+        return fastest
+    level = [s for s in others if iteration_s[s] <= iteration_s[fastest] * (1 + CONFIRMATION_MARGIN)
+             and iteration_s[s] < iteration_s[whole] * (1 - CONFIRMATION_MARGIN)]
+    return min(level, key=lambda s: fewer_collectives_first(layout_of(s)))
+
+
+def fewer_collectives_first(layout: LayoutSetting) -> tuple:
+    """Whole buckets before partitions, then larger units, then a first bucket as large as the
+    others: the order ties between measured settings go in (`measured_choice`)."""
+    unit = layout.bucket_cap_mb if layout.partition_mb is None else layout.partition_mb
+    return (layout.partition_mb is not None, -unit, -layout.first_bucket_mb, -(layout.credit_mb or math.inf))
 
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,

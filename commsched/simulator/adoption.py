@@ -56,4 +56,4 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     # The run then measures its choice, the runner-up and the best whole buckets against the configured
     # buckets sent whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
     measured = [chosen, whole] + [applied(literal, s) for s in (choice.runner_up, choice.best_whole) if s is not None]
-    return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole)
+    return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole, LayoutSetting.of)

@@ -16,7 +16,13 @@ on the new layout). Of the settings faster than whole buckets in every round
 must not decide for good; on a saturated machine, 16 emulated hosts on 2
 cores, iterations of one setting spread by half their length), the fastest
 by median iteration stays if it is shorter by more than
-`CONFIRMATION_MARGIN` (`measured_choice` in `commsched.planning.cost_model`).
+`CONFIRMATION_MARGIN` (`measured_choice` in `commsched.planning.cost_model`);
+where others measured within that margin of it, the one of fewest
+collectives stays instead (`fewer_collectives_first` in
+`commsched.planning.cost_model`): at 8 emulated hosts
+whole 5 MiB buckets and 4 MiB partitions measured within 2% of each other,
+and without the tie going one way the same cell kept one in one run and the
+other in the next.
 Measured beside the choice: its runner-up, and the cheapest prediction of
 whole buckets of a size of their own (the bucket size torch DDP's users
 would find by sweeping), since the error grows
@@ -38,7 +44,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Setting, measured_choice
+from commsched.planning.cost_model import CONFIRMATION_MARGIN, Setting, measured_choice
 from commsched.tuning.controller import SETTLE_ITERATIONS
 from commsched.tuning.decision import Decision, Phase
 from commsched.tuning.intervals import IterationIntervals
@@ -108,10 +114,11 @@ class Confirmation:
 
     def verdict(self) -> LayoutSetting:
         """Of the candidates faster than ``whole`` in every round, the fastest by median iteration if it
-        beats ``whole`` by `CONFIRMATION_MARGIN` (`measured_choice`), else ``whole``."""
-        return measured_choice({s: statistics.median(t) for s, t in self._samples.items()
-                                if t and (s == self.whole or faster_in_every_round(self._trial_medians, s, self.whole))},
-                               self.whole)
+        beats ``whole`` by `CONFIRMATION_MARGIN`, else ``whole``; of candidates within that margin of
+        the fastest, the one of fewest collectives (`measured_choice`)."""
+        eligible = {s: statistics.median(t) for s, t in self._samples.items()
+                    if t and (s == self.whole or faster_in_every_round(self._trial_medians, s, self.whole))}
+        return measured_choice(eligible, self.whole, _itself)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
@@ -124,6 +131,10 @@ def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], set
     trials of each setting, in order: one per round)."""
     ours, theirs = trial_ms.get(setting, ()), trial_ms.get(whole, ())
     return bool(ours) and len(ours) == len(theirs) and all(a < b for a, b in zip(ours, theirs))
+
+
+def _itself(setting: LayoutSetting) -> LayoutSetting:
+    return setting
 
 
 def whole_buckets(setting: LayoutSetting) -> LayoutSetting:
@@ -149,6 +160,8 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     for trial in (log.studies[-1] if log.studies else []):
         trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
     overall = measured_choice({s: statistics.median(ms) for s, ms in trials.items()}, whole)
+    fastest = measured_choice({s: statistics.median(ms) for s, ms in trials.items()
+                               if s == whole or faster_in_every_round(trials, s, whole)}, whole)
     measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms"
                          for setting, ms in trials.items())
 
@@ -156,11 +169,15 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
         return "not measured" if value is None else f"{value:.2f} ms"
 
     noisy = "not faster than the configured buckets sent whole in every round (too noisy to tell apart)"
-    if log.current == chosen:
-        verdict = "kept"
-    elif log.current == whole:
+    if log.current == whole:
         verdict = (f"{noisy}, which stay" if overall != whole else
                    "measured no faster than the configured buckets sent whole, which stay")
+    elif log.current != fastest:
+        kept = "kept" if log.current == chosen else f"but {describe_choice(log.current)}, measured beside it, is kept"
+        verdict = (f"{kept} (within {CONFIRMATION_MARGIN:.0%} of the fastest, {describe_choice(fastest)}, and with "
+                   "fewer collectives)")
+    elif log.current == chosen:
+        verdict = "kept"
     elif overall == chosen:
         verdict = f"{noisy}; {describe_choice(log.current)}, measured beside it, was, and is kept"
     else:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from commsched.planning.cost_model import Setting, candidates
+from commsched.planning.cost_model import CONFIRMATION_MARGIN, Setting, candidates
 from commsched.simulator import Cluster, DDPConfig, simulate
 from commsched.simulator.adoption import as_run, cost_model_choice
 from commsched.strategy import ParameterServer, Strategy
@@ -27,12 +27,16 @@ def test_a_large_ring_adopts_coarse_collectives_and_is_not_slower_than_ddp():
     assert simulate(profile, cluster, adopted).iteration_s <= 1.02 * ddp
 
 
-def test_a_slow_link_with_two_workers_keeps_the_configured_partitions():
-    """Where the next forward pass would wait for the link, urgent partitions pay for their hops."""
+def test_a_slow_link_with_two_workers_keeps_partitions():
+    """Where the next forward pass would wait for the link, urgent partitions pay for their hops:
+    the configured ones, or coarser ones within the margin of them (a tie goes to fewer
+    collectives, as a run's check decides)."""
     profile = balanced_profile()
     cluster = Cluster(workers=2, gbit_s=1)
     adopted = as_run(Strategy(), profile, cluster)
-    assert (adopted.partition_mb, adopted.credit_mb) == (Strategy().partition_mb, Strategy().credit_mb)
+    assert adopted.partition_mb is not None and adopted.partition_mb >= Strategy().partition_mb
+    configured = simulate(profile, cluster, Strategy(adaptive=False)).iteration_s
+    assert simulate(profile, cluster, adopted).iteration_s <= configured * (1 + CONFIRMATION_MARGIN)
     assert simulate(profile, cluster, adopted).iteration_s < simulate(profile, cluster, DDPConfig()).iteration_s
 
 

@@ -25,6 +25,8 @@ from commsched.tuning.log import TuningLog
 
 CHOSEN = LayoutSetting(1.0, 4.0, 25.0, 1.0, True)
 WHOLE = whole_buckets(CHOSEN)
+RUNNER_UP = LayoutSetting(4.0, 16.0, 25.0, 1.0, True)
+BEST_WHOLE = LayoutSetting(None, None, 5.0, 1.0, True)
 TRIALS_LENGTH = 2 * ROUNDS * (SETTLE_ITERATIONS + TRIAL_ITERATIONS)
 """Without a runner-up: the choice and whole buckets."""
 
@@ -141,6 +143,23 @@ def test_a_candidate_faster_in_every_round_is_kept_over_one_that_was_not():
     assert "partitions of 4 MiB, credit 16 MiB, measured beside it, was, and is kept" in text, text
 
 
+@pytest.mark.parametrize(("partitions_ms", "whole_buckets_ms", "kept"), [
+    (339.3, 345.8, BEST_WHOLE),   # within the margin of each other: fewer collectives, in every run alike
+    (353.0, 345.8, BEST_WHOLE),
+    (320.0, 345.8, RUNNER_UP),    # partitions ahead by more than the margin: they stay
+])
+def test_settings_level_within_the_margin_go_to_fewer_collectives(partitions_ms, whole_buckets_ms, kept):
+    """Two clusters of one 8-host cell measured 4 MiB partitions and whole 5 MiB buckets within 2%
+    of each other, the other way round in each, and kept one in one and the other in the next."""
+    times_ms = {CHOSEN: 360.0, RUNNER_UP: partitions_ms, BEST_WHOLE: whole_buckets_ms, WHOLE: 440.0}
+    log, used = run(lambda setting, iteration: times_ms[setting] / 1e3, beside=[RUNNER_UP, BEST_WHOLE])
+    assert log.current == kept and used[-1] == kept
+    text = confirmation.describe(log, CHOSEN, WHOLE)
+    level = partitions_ms < whole_buckets_ms and kept == BEST_WHOLE
+    assert ("is kept (within 3% of the fastest, partitions of 4 MiB, credit 16 MiB, and with fewer collectives)"
+            in text) == level, text
+
+
 def test_whole_buckets_need_no_confirmation():
     with pytest.raises(ValueError, match="nothing to confirm"):
         Confirmation(WHOLE, WHOLE)
@@ -152,12 +171,6 @@ def test_a_failure_keeps_whole_buckets_and_ends_the_switch_points():
     log = TuningLog()
     log.apply(WARMUP_ITERATIONS, decision)
     assert "stopped" in confirmation.describe(log, CHOSEN, WHOLE)
-
-
-RUNNER_UP = LayoutSetting(4.0, 16.0, 25.0, 1.0, True)
-
-
-BEST_WHOLE = LayoutSetting(None, None, 5.0, 1.0, True)
 
 
 @pytest.mark.parametrize(("times_ms", "kept"), [
