@@ -48,7 +48,7 @@ def layout_system(text: str) -> Commsched:
     partitions = text.startswith("p")
     try:
         sizes = [float(part) for part in text.removeprefix("p").split("/")]
-        if len(sizes) != (4 if partitions and len(sizes) == 4 else 2):
+        if len(sizes) not in ((2, 4) if partitions else (2,)):
             raise ValueError(f"{len(sizes)} sizes")
         first, second = sizes[:2]
         if partitions:

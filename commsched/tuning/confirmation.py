@@ -15,14 +15,12 @@ on the new layout). Of the settings faster than whole buckets in every round
 (`faster_in_every_round`: a slow spell of the hosts that falls on one trial
 must not decide for good; on a saturated machine, 16 emulated hosts on 2
 cores, iterations of one setting spread by half their length), the fastest
-by median iteration stays if it is shorter by more than
-`CONFIRMATION_MARGIN` (`measured_choice` in `commsched.planning.cost_model`);
-where others measured within that margin of it, the one of fewest
-collectives stays instead (`fewer_collectives_first` in
-`commsched.planning.cost_model`): at 8 emulated hosts
-whole 5 MiB buckets and 4 MiB partitions measured within 2% of each other,
-and without the tie going one way the same cell kept one in one run and the
-other in the next.
+by median iteration stays if it is shorter by more than `CONFIRMATION_MARGIN`
+(`measured_choice` in `commsched.planning.cost_model`); where others measured
+within that margin of it, the one of fewest collectives stays instead
+(`fewer_collectives_first`, there): at 8 emulated hosts whole 5 MiB buckets
+and 4 MiB partitions measured within 2% of each other, and without the tie
+going one way the same cell kept one in one run and the other in the next.
 Measured beside the choice: its runner-up, and the cheapest prediction of
 whole buckets of a size of their own (the bucket size torch DDP's users
 would find by sweeping), since the error grows
@@ -134,6 +132,7 @@ def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], set
 
 
 def _itself(setting: LayoutSetting) -> LayoutSetting:
+    """The layout of a setting the check measures: the setting itself (`measured_choice`'s ``layout_of``)."""
     return setting
 
 
