@@ -16,10 +16,11 @@ want more overlap, each also behind the configured first bucket, and for many
 hosts, where each collective pays a latency per hop of the ring, whole buckets
 without the small first one, and four times the configured size) is replayed on
 rank 0's measured timeline: per parameter, when its gradient became ready in the
-backward pass; how long the forward pass took; the link's latency and bandwidth. The predicted cost of a candidate is how long
-the training thread would wait for communication (at the end of backward without
-forward overlap; at the forward pass's layers with it, assuming the forward pass
-reaches each parameter in proportion to the bytes before it), plus the host work
+backward pass; how long the forward pass took; the link's latency and bandwidth.
+The predicted cost of a candidate is how long the training thread would wait
+for communication (at the end of backward without forward overlap; at the
+forward pass's layers with it, assuming the forward pass reaches each parameter
+in proportion to the bytes before it), plus the host work
 of the collectives, plus the computation that communication slows down by
 running beside it: its time beside the backward and the next forward pass times
 the CPU share of the transport, measured as the process's CPU time per second of

@@ -114,9 +114,8 @@ class Confirmation:
         """Of the candidates faster than ``whole`` in every round, the fastest by median iteration if it
         beats ``whole`` by `CONFIRMATION_MARGIN`, else ``whole``; of candidates within that margin of
         the fastest, the one of fewest collectives (`measured_choice`)."""
-        eligible = {s: statistics.median(t) for s, t in self._samples.items()
-                    if t and (s == self.whole or faster_in_every_round(self._trial_medians, s, self.whole))}
-        return measured_choice(eligible, self.whole, _itself)
+        medians = {s: statistics.median(t) for s, t in self._samples.items() if t}
+        return measured_choice(consistent(medians, self._trial_medians, self.whole), self.whole, _itself)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
@@ -129,6 +128,12 @@ def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], set
     trials of each setting, in order: one per round)."""
     ours, theirs = trial_ms.get(setting, ()), trial_ms.get(whole, ())
     return bool(ours) and len(ours) == len(theirs) and all(a < b for a, b in zip(ours, theirs))
+
+
+def consistent(medians: Mapping[LayoutSetting, float], trial_ms: Mapping[LayoutSetting, Sequence[float]],
+               whole: LayoutSetting) -> dict[LayoutSetting, float]:
+    """``medians`` of ``whole`` and of the settings faster than it in every round."""
+    return {s: ms for s, ms in medians.items() if s == whole or faster_in_every_round(trial_ms, s, whole)}
 
 
 def _itself(setting: LayoutSetting) -> LayoutSetting:
@@ -158,11 +163,9 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     trials: dict[LayoutSetting, list[float]] = {}
     for trial in (log.studies[-1] if log.studies else []):
         trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
-    overall = measured_choice({s: statistics.median(ms) for s, ms in trials.items()}, whole)
-    fastest = measured_choice({s: statistics.median(ms) for s, ms in trials.items()
-                               if s == whole or faster_in_every_round(trials, s, whole)}, whole)
-    measured = "; ".join(f"{describe_choice(setting)}: {statistics.median(ms):.2f} ms"
-                         for setting, ms in trials.items())
+    medians = {s: statistics.median(ms) for s, ms in trials.items()}
+    overall, fastest = measured_choice(medians, whole), measured_choice(consistent(medians, trials, whole), whole)
+    measured = "; ".join(f"{describe_choice(setting)}: {ms:.2f} ms" for setting, ms in medians.items())
 
     def ms(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f} ms"
