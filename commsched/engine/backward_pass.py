@@ -269,6 +269,13 @@ class BackwardPass:
             ahead -= 1
         self._wait_updated(buckets)
 
+    def start_updates(self) -> None:
+        """On a rank out of batches under ``Join`` (sharded state), once the others stepped: every
+        bucket's update starts now, in `UpdatePolicy.update_order`; the next `complete_all` awaits them."""
+        for bucket in self._policy.update_order or range(len(self._layout.buckets)):
+            if not self._updated[bucket]:
+                self._complete_bucket(bucket)
+
     def _wait_updated(self, buckets: Sequence[int]) -> None:
         """The updates of these buckets have finished (see `UpdatePolicy.wait_updated`)."""
         for bucket in buckets:

@@ -11,7 +11,9 @@ the buffer broadcast, then every partition in plan order, holding zeros and
 flagged unused. Gradients are still divided by the full world size, as DDP's
 default (``divide_by_initial_world_size``). When the last rank is done, every
 rank takes the parameters and buffers of one of the ranks that trained longest
-(its optimizer state stays its own, as with DDP).
+(its optimizer state stays its own, as with DDP). With sharded optimizer state,
+a rank out of batches also updates its chunk at each of the others' steps: see
+[Note: a joined rank's shard] in `commsched.update.step_records`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from torch.distributed.algorithms.join import JoinHook
 from commsched.comm.agreement import broadcast_from, highest_rank_still_training
 from commsched.comm.side_groups import takes_cpu_tensors
 from commsched.engine.groups import ProcessGroups
+from commsched.update.base import Hyperparameters
+from commsched.update.grad_scaling import GradScaling
+from commsched.update.step_records import StepRecords
 
 
 class JoinParticipant(Protocol):
@@ -99,3 +104,58 @@ class ShadowIterations(JoinHook):
         source = highest_rank_still_training(is_last_joiner, group, timeout_s)
         module = self._module
         broadcast_from([*module.parameters(), *module.buffers()], source, group, timeout_s)
+
+
+STEP_WITHOUT_BACKWARD_UNDER_JOIN = (
+    "optimizer.step() without a new backward pass (a second step, or one after zero_grad(set_to_none=True)) "
+    "inside Join with sharded optimizer state: its all-gathers would wait for the chunks of ranks out of "
+    "batches, which take part only in the others' synchronised iterations. Step once per backward pass "
+    "inside Join, or use AllReduce() without sharding"
+)
+
+
+class JoinedSteps:
+    """[Note: a joined rank's shard] for the reducer: which synchronised iteration still owes its
+    step's record, and the record a rank out of batches receives. Without sharded state
+    (``records`` None) it does nothing."""
+
+    def __init__(self, records: StepRecords | None):
+        self._records = records
+        self._owed = False
+        """A synchronised forward pass ran under Join and no record of its step went out yet."""
+
+    @property
+    def needed(self) -> bool:
+        return self._records is not None
+
+    def forward_synchronised(self) -> None:
+        """A forward pass that will reduce gradients, under an enabled Join, before Join counts it:
+        the previous one's record goes out if its ``step()`` never came."""
+        if self._records is None:
+            return
+        self._send_owed()
+        self._owed = True
+
+    def stepped(self, hyperparameters: Hyperparameters, scaling: GradScaling | None) -> None:
+        """``step()`` released this iteration's updates, before any of them starts."""
+        if self._owed:
+            self._records.send(hyperparameters, scaling)
+            self._owed = False
+
+    def shadowing(self) -> None:
+        """This rank's first shadowed iteration: its own last one may still owe its record."""
+        self._send_owed()
+
+    def receive(self, own: Hyperparameters, found_inf_like: torch.Tensor) -> tuple[Hyperparameters,
+                                                                                   GradScaling | None] | None:
+        """On a rank out of batches, after the others' reductions: their step (see `StepRecords.receive`)."""
+        return self._records.receive(own, found_inf_like)
+
+    def close(self) -> None:
+        if self._records is not None:
+            self._records.wait_sent()
+
+    def _send_owed(self) -> None:
+        if self._owed:
+            self._records.send(None, None)
+            self._owed = False

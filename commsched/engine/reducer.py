@@ -38,7 +38,7 @@ from commsched.engine.finite import FiniteCheck
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
-from commsched.engine.join import UnevenInputs
+from commsched.engine.join import STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
@@ -139,6 +139,7 @@ class GradientReducer:
                                        config.broadcast_buffers and transport.world_size > 1)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
                                           transport.join_refusal or policy.join_refusal, config.overlap_requested)
+        self._joined_steps = JoinedSteps(policy.step_records)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current)
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
@@ -403,6 +404,7 @@ class GradientReducer:
                 "commsched learns the bucket layout from the first iteration, so every rank needs at "
                 "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
             )
+        self._joined_steps.shadowing()
         self.buffers.shadow_iteration(under_join=self.uneven_inputs.enabled)
         self.synchronize()
         self._phase = Phase.BACKWARD
@@ -416,6 +418,13 @@ class GradientReducer:
                 self.warmup.pass_ended(current, self.layout)
         finally:
             self._phase = Phase.IDLE
+        if self._joined_steps.needed:
+            # [Note: a joined rank's shard] This rank's chunks take the others' step.
+            step = self._joined_steps.receive(self.policy.snapshot(), self.params[0])
+            if step is not None:
+                current.release_updates(*step)
+                current.stepped = True
+                current.start_updates()
 
     # ----------------------------------------------------------------- forward
     def before_forward(self) -> None:
@@ -428,6 +437,7 @@ class GradientReducer:
             under_join = self.uneven_inputs.enabled
             if under_join and self._sync_enabled:
                 # [Note: uneven inputs] Ranks that ran out of batches count this iteration.
+                self._joined_steps.forward_synchronised()
                 Join.notify_join_context(self.module)
             self.buffers.before_forward(self._sync_enabled, under_join)
         if self.layout is None and torch.is_grad_enabled():
@@ -552,6 +562,8 @@ class GradientReducer:
             # step(), or zero_grad() dropped them: torch.optim steps on whatever .grad
             # holds now (nothing, for None), so the optimizer's own step does, once
             # this pass is finished.
+            if self._joined_steps.needed and self.uneven_inputs.enabled:
+                raise RuntimeError(STEP_WITHOUT_BACKWARD_UNDER_JOIN)
             self.synchronize()
             if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
                 self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
@@ -579,7 +591,9 @@ class GradientReducer:
             if changed:
                 raise gradients_touched_error()
         current.stepped = True
-        current.release_updates(self.policy.snapshot(), scaling)
+        hyperparameters = self.policy.snapshot()
+        self._joined_steps.stepped(hyperparameters, scaling)
+        current.release_updates(hyperparameters, scaling)
         if current.overlapping and self.gating.updated_at_step:
             current.complete_buckets(self.gating.updated_at_step)
         if not current.overlapping:
@@ -607,6 +621,7 @@ class GradientReducer:
             return
         if not communication_failed():  # else nothing in flight will finish: see `Shutdown`
             self.synchronize()
+            self._joined_steps.close()
             self.policy.close()
         self.shutdown()
         self.hooks.remove()

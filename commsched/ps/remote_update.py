@@ -30,6 +30,7 @@ class ServerSideUpdate(UnshardedState):
     overlap_blocker = None
     per_bucket = True
     update_order = None
+    step_records = None
     join_refusal = None
     foreign_step_refusal = (
         "With Strategy(backend=ParameterServer(...)) the servers run the optimizer and the workers' parameters "

@@ -6,19 +6,22 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from commsched.update.kinds import Hyperparameters
+
 if TYPE_CHECKING:
     import torch
 
     from commsched.layout.grad_layout import GradLayout
     from commsched.layout.shards import ShardStatus
     from commsched.update.grad_scaling import GradScaling
+    from commsched.update.step_records import StepRecords
+
+__all__ = ["Hyperparameters", "UnshardedState", "UpdatePolicy"]
 
 NOT_SHARDED = (
     "sharded checkpoints need Strategy(backend=AllReduce(shard_optimizer=True)); without it every rank holds "
     "the whole optimizer state: save optimizer.state_dict() and load it with optimizer.load_state_dict()"
 )
-
-Hyperparameters = list[dict[str, object]]
 
 
 class UnshardedState:
@@ -32,7 +35,6 @@ class UnshardedState:
 
     def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
         raise ValueError(NOT_SHARDED)
-"""Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
 
 
 class UpdatePolicy(Protocol):
@@ -63,6 +65,11 @@ class UpdatePolicy(Protocol):
     join_refusal: str | None
     """Why a rank out of batches cannot shadow the others' iterations under torch's ``Join``
     with this update (see `Transport.join_refusal`), or None where it can."""
+
+    step_records: StepRecords | None
+    """How a rank out of batches under ``Join`` learns the others' steps, where it must update
+    state of its own at each (sharded state: see [Note: a joined rank's shard] in
+    `commsched.update.step_records`); None where it need not."""
 
     update_order: tuple[int, ...] | None
     """The order buckets must be updated in, the same on every rank (their updates start

@@ -15,6 +15,9 @@ _HYPERPARAMETERS = {
 }
 _HYPERPARAMETERS["adamw"] = _HYPERPARAMETERS["adam"]
 
+Hyperparameters = list[dict[str, object]]
+"""Per param group, the optimizer's hyper-parameters (taken at ``step()``)."""
+
 
 USER_CLASS_ATTRIBUTE = "_commsched_user_class"
 """Set on the class that `commsched.prepare` mixes into a prepared object: the user's own class."""
@@ -43,7 +46,7 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def hyperparameter_snapshot(optimizer: torch.optim.Optimizer, kind: str) -> list[dict[str, object]]:
+def hyperparameter_snapshot(optimizer: torch.optim.Optimizer, kind: str) -> Hyperparameters:
     """The hyper-parameters of every param group of ``optimizer`` now, with the group's own
     ``foreach`` and ``fused`` exactly as torch.optim's ``step()`` passes them (None lets
     torch pick; an explicit False is kept, since torch treats it differently from None).

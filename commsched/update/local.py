@@ -23,6 +23,7 @@ class LocalUpdate(UnshardedState):
 
     foreign_step_refusal = None
     update_order = None
+    step_records = None
     join_refusal = None
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, fuse_optimizer: bool, overlap_forward: bool):

@@ -60,6 +60,7 @@ from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind, unsupported_reason
+from commsched.update.step_records import StepRecords
 
 if TYPE_CHECKING:
     from commsched.layout.grad_layout import GradLayout
@@ -97,12 +98,7 @@ class ShardedUpdate:
     overlap_blocker = None
     foreign_step_refusal = None
     per_bucket = True
-    join_refusal = (
-        "Join (uneven inputs) is not supported with AllReduce(shard_optimizer=True): a rank out of batches "
-        "would have to update its part of every bucket with the hyper-parameters (learning rate, ...) of "
-        "the others' step() calls, which it never sees. Give every rank the same number of batches "
-        "(DistributedSampler(drop_last=True)), or use AllReduce() without sharding."
-    )
+    join_refusal = None
 
     def __init__(self, optimizer: torch.optim.Optimizer, fuse_optimizer: bool,
                  gather_group: Callable[[], dist.ProcessGroup], timeout_s: float):
@@ -113,6 +109,10 @@ class ShardedUpdate:
             raise ValueError(refusal)
         self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
         self._kind = optimizer_kind(optimizer)
+        device = next(p.device for group in optimizer.param_groups for p in group["params"])
+        self.step_records = StepRecords(self._kind, optimizer, gather_group, lambda: device, timeout_s)
+        """What a rank out of batches under Join learns of the others' steps (see
+        [Note: a joined rank's shard] in `commsched.update.step_records`)."""
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._shards: list[BucketShard] = []
         self._rank, self._world_size = 0, 1

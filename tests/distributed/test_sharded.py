@@ -6,7 +6,8 @@ buckets whose size is not a multiple of the world size split parameters
 between ranks; every scheduling path; the loops of test_training_loops,
 ``no_sync``, ``GradScaler``, LR schedulers, clipping, the auto-tuner's
 layouts. Checkpoints are torch.optim's, loadable by any world size. Each rank
-holds only its part of the state. ``Join`` is refused with the fix.
+holds only its part of the state. Under ``Join`` the parameters and state are
+torch DDP's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 import commsched.update.sharded
@@ -47,7 +49,9 @@ from tests.distributed.test_allreduce_parity import (
     reference_step,
     uses_aux,
 )
+from tests.distributed.test_join import batch_counts, batches_of, loss_of, out_during_warmup
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
+from tests.distributed.test_mixed_precision import new_scaler
 from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, random_delays, train_and_compare
 from tests.distributed.test_training_loops import LOOPS
 from tests.distributed.test_training_loops import case as loop_case
@@ -308,10 +312,69 @@ def case_refusals(rank, world_size):
     gathers = commsched.status(model).process_groups.parameters
     assert gathers is not None and commsched.status(second).process_groups.parameters is gathers  # one per group
     commsched.release(second)
-    with pytest.raises(RuntimeError, match=r"Join \(uneven inputs\) is not supported with "
-                                           r"AllReduce\(shard_optimizer=True\).*DistributedSampler\(drop_last=True\)"):
+    commsched.release(model)
+
+
+# ------------------------------------------------------------------ Join
+def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, counts=batch_counts, scaler=False,
+                                  device="cpu"):
+    """Uneven inputs under ``Join``: the parameters and the optimizer state of torch DDP under
+    ``Join`` (of its rank that trained longest). The learning rate changes at every step, and
+    with ``scaler`` an inf in the last iteration, which only rank 0 runs, skips that step:
+    ranks out of batches update their chunks with the others' values and verdict
+    ([Note: a joined rank's shard])."""
+    count = counts(world_size)[rank]
+    torch.manual_seed(0)
+    model = ParityNet().to(device)
+    reference = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    reference_optimizer = OPTIMIZERS[optimizer_name](reference.parameters())
+    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        grad_scaler = new_scaler(device) if scaler else None
+        with Join([net]):
+            for iteration, (x, y) in enumerate(batches_of(rank, count, (8,), None)):
+                x, y = x.to(device), y.to(device)
+                if scaler and iteration == max(counts(world_size)) - 1:
+                    x = x.clone()
+                    x[0, 0] = float("inf")
+                loss = loss_of(net, x, y, None)
+                if grad_scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    grad_scaler.scale(loss).backward()
+                    grad_scaler.step(opt)
+                    grad_scaler.update()
+                opt.zero_grad()
+                schedule.step()
+    for (name, got), want in zip(model.state_dict().items(), reference.module.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    state = optimizer.state_dict()  # gathered from every rank's chunks (collective)
+    if rank == 0:  # the rank that trained longest: under DDP, its state is the one every step made
+        want = reference_optimizer.state_dict()
+        assert state["param_groups"] == want["param_groups"]
+        assert state["state"].keys() == want["state"].keys() and want["state"]
+        for index, values in want["state"].items():
+            for key, value in values.items():
+                torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, i=index, k=key: f"state {i} {k}: {m}")
+    commsched.release(model)
+
+
+def case_join_refuses_a_step_without_backward(rank, world_size):
+    """A second ``step()`` on the same gradients inside ``Join`` would start all-gathers that ranks
+    out of batches never join: refused at once, on every rank, with the fix."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), sharded())
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) without a new backward pass .* inside Join with "
+                                           r"sharded optimizer state.*Step once per backward pass"):
         with Join([model]):
-            pass
+            for x, y in batches_of(rank, 2, (8,), None):
+                loss_of(model, x, y, None).backward()
+                optimizer.step()
+            optimizer.step()
     commsched.release(model)
 
 
@@ -351,6 +414,15 @@ def sharded_grid(rank: int, world_size: int) -> None:
         cases[f"values_used_by_every_forward/{label}"] = functools.partial(
             case_values_used_by_every_forward, rank, world_size, STRATEGIES[label], "adam")
     cases["refusals"] = functools.partial(case_refusals, rank, world_size)
+    join_cases = {"adam/small_buckets": ("adam", "small_buckets", batch_counts, False),
+                  "sgd_momentum/no_overlap": ("sgd_momentum", "no_overlap", batch_counts, False),
+                  "adam/small_buckets/GradScaler": ("adam_no_decay", "small_buckets", batch_counts, True),
+                  "sgd_nesterov/default/out_during_warmup": ("sgd_nesterov", "default", out_during_warmup, False)}
+    for name, (optimizer_name, label, counts, scaler) in join_cases.items():
+        cases[f"join/{name}"] = functools.partial(case_uneven_inputs_under_join, rank, world_size, optimizer_name,
+                                                  STRATEGIES[label], counts, scaler)
+    cases["join/step_without_backward_refused"] = functools.partial(
+        case_join_refuses_a_step_without_backward, rank, world_size)
     run_subtests(cases)
 
 
@@ -396,6 +468,9 @@ def sharded_on_device(rank: int, world_size: int, device: str) -> None:
                                                device)
     cases["bf16 autocast"] = mixed_precision_case(world_size, rank, STRATEGIES["default"], "sgd_momentum",
                                                   "bf16 autocast", device)
+    cases["uneven inputs under Join, GradScaler"] = functools.partial(
+        case_uneven_inputs_under_join, rank, world_size, "adam_no_decay", STRATEGIES["default"], batch_counts, True,
+        device)
     run_subtests(cases)
 
 
