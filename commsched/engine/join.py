@@ -18,6 +18,7 @@ a rank out of batches also updates its chunk at each of the others' steps: see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -128,13 +129,13 @@ class JoinedSteps:
     def needed(self) -> bool:
         return self._records is not None
 
-    def forward_synchronised(self) -> None:
-        """A forward pass that will reduce gradients, under an enabled Join, before Join counts it:
-        the previous one's record goes out if its ``step()`` never came."""
-        if self._records is None:
-            return
+    def count(self, notify_join: Callable[[], object]) -> None:
+        """A forward pass that will reduce gradients, under an enabled Join: the previous one's
+        record goes out if its ``step()`` never came, then ``notify_join`` counts this one (which
+        raises under ``throw_on_early_termination`` once a rank is out: then nothing is owed)."""
         self._send_owed()
-        self._owed = True
+        notify_join()
+        self._owed = self._records is not None
 
     def stepped(self, hyperparameters: Hyperparameters, scaling: GradScaling | None) -> None:
         """``step()`` released this iteration's updates, before any of them starts."""

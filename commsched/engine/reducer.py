@@ -437,8 +437,7 @@ class GradientReducer:
             under_join = self.uneven_inputs.enabled
             if under_join and self._sync_enabled:
                 # [Note: uneven inputs] Ranks that ran out of batches count this iteration.
-                self._joined_steps.forward_synchronised()
-                Join.notify_join_context(self.module)
+                self._joined_steps.count(lambda: Join.notify_join_context(self.module))
             self.buffers.before_forward(self._sync_enabled, under_join)
         if self.layout is None and torch.is_grad_enabled():
             self.warmup.record_first_forward()

@@ -118,7 +118,8 @@ def case_each_rank_holds_its_part(rank, world_size, optimizer_name):
     # The first bucket the forward pass needs is small here: every rank holds it whole.
     assert len(sharding.whole_buckets) == 1, sharding
     kept_everywhere = sharding.chunk_elements[sharding.whole_buckets[0]]
-    assert whole > 0 and sum(owned for _, owned in parts) == sharding.total_elements + (world_size - 1) * kept_everywhere
+    owned_everywhere = sum(owned for _, owned in parts)
+    assert whole > 0 and owned_everywhere == sharding.total_elements + (world_size - 1) * kept_everywhere
     assert sum(state_bytes for state_bytes, _ in parts) >= whole  # every part is somewhere (and steps besides)
     at_most_per_element = 2 * 8  # two float64 moments
     one_chunk_per_bucket = at_most_per_element * sum(sharding.chunk_elements)
@@ -256,6 +257,15 @@ def case_autotune_switch_points(rank, world_size):
     commsched.release(model)
 
 
+def case_autotune_under_join(rank, world_size):
+    """The auto-tuner's new layouts come while ranks are out of batches under ``Join``: they
+    reshard along in their shadowed iterations, and the state stays DDP's."""
+    from tests.distributed.test_autotune import TUNE, TUNED_BY
+
+    case_uneven_inputs_under_join(rank, world_size, "adam", dataclasses.replace(TUNE, backend=SHARDED),
+                                  counts=lambda n: [TUNED_BY + 6 - 5 * r for r in range(n)])
+
+
 def case_first_bucket_whole_when_small(rank, world_size):
     """The bucket the forward pass needs first is kept whole on every rank when it is small and
     not the only one ([Note: the first bucket is not sharded]); a large one is sharded."""
@@ -317,12 +327,13 @@ def case_refusals(rank, world_size):
 
 # ------------------------------------------------------------------ Join
 def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, counts=batch_counts, scaler=False,
-                                  device="cpu"):
+                                  device="cpu", accumulate=False):
     """Uneven inputs under ``Join``: the parameters and the optimizer state of torch DDP under
     ``Join`` (of its rank that trained longest). The learning rate changes at every step, and
     with ``scaler`` an inf in the last iteration, which only rank 0 runs, skips that step:
     ranks out of batches update their chunks with the others' values and verdict
-    ([Note: a joined rank's shard])."""
+    ([Note: a joined rank's shard]). ``accumulate``: every other batch's backward pass runs
+    under ``no_sync()`` and is stepped with the next one's."""
     count = counts(world_size)[rank]
     torch.manual_seed(0)
     model = ParityNet().to(device)
@@ -338,6 +349,10 @@ def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, co
                 if scaler and iteration == max(counts(world_size)) - 1:
                     x = x.clone()
                     x[0, 0] = float("inf")
+                if accumulate and iteration % 2 == 0:
+                    with net.no_sync():
+                        loss_of(net, x, y, None).backward()
+                    continue
                 loss = loss_of(net, x, y, None)
                 if grad_scaler is None:
                     loss.backward()
@@ -359,6 +374,27 @@ def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, co
             for key, value in values.items():
                 torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-7,
                                            msg=lambda m, i=index, k=key: f"state {i} {k}: {m}")
+    commsched.release(model)
+
+
+def case_join_ends_early_then_training_goes_on(rank, world_size):
+    """``Join(throw_on_early_termination=True)`` raises on every rank once one is out of batches;
+    the loop then goes on without ``Join``, in step on every rank, and ends equal everywhere."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.Adam(model.parameters()),
+                                         sharded(bucket_cap_mb=0.002, first_bucket_mb=0.0005, timeout_s=60))
+    with pytest.raises(RuntimeError, match="exhausted"):
+        with Join([model], throw_on_early_termination=True):
+            for x, y in batches_of(rank, batch_counts(world_size)[rank], (8,), None):
+                loss_of(model, x, y, None).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    for x, y in batches_of(rank + 10, 3, (8,), None):
+        loss_of(model, x, y, None).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_equal_on_all_ranks(model)
     commsched.release(model)
 
 
@@ -421,6 +457,10 @@ def sharded_grid(rank: int, world_size: int) -> None:
     for name, (optimizer_name, label, counts, scaler) in join_cases.items():
         cases[f"join/{name}"] = functools.partial(case_uneven_inputs_under_join, rank, world_size, optimizer_name,
                                                   STRATEGIES[label], counts, scaler)
+    cases["join/adamw/default/no_sync accumulation"] = functools.partial(
+        case_uneven_inputs_under_join, rank, world_size, "adamw", STRATEGIES["default"], accumulate=True)
+    cases["join/ends_early_then_training_goes_on"] = functools.partial(
+        case_join_ends_early_then_training_goes_on, rank, world_size)
     cases["join/step_without_backward_refused"] = functools.partial(
         case_join_refuses_a_step_without_backward, rank, world_size)
     run_subtests(cases)
@@ -448,6 +488,7 @@ def sharded_loops(rank: int, world_size: int) -> None:
         cases[f"{label} GradScaler, unscale and clip"] = mixed_precision_case(
             world_size, rank, strategy, "sgd_momentum", "unscale and clip")
     cases["autotune switch points"] = functools.partial(case_autotune_switch_points, rank, world_size)
+    cases["autotune switch points under Join"] = functools.partial(case_autotune_under_join, rank, world_size)
     cases["on the CPU device"] = functools.partial(sharded_on_device, rank, world_size, "cpu")
     run_subtests(cases)
 
