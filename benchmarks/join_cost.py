@@ -11,8 +11,9 @@ not a rank has run out, so this measures them with even inputs: per rank, four
 copies of the same model, sharded or not (`LOOPS`), each trained plainly or
 inside ``Join``, in interleaved rounds (the order alternates), after warm-up.
 Reported per world size: each loop's median iteration time, and for each
-backend the median over rounds of the ratio of its two loops in that round. The exit of ``Join`` (a count and a broadcast of the parameters
-from the rank that trained longest) happens once per epoch and is not timed.
+backend the median over rounds of the ratio of its two loops in that round.
+The exit of ``Join`` (a count and a broadcast of the parameters from the rank
+that trained longest) happens once per epoch and is not timed.
 
 The workload's computation is charged as sleep (``resnet50-emulated``, see
 `commsched.bench.emulated`), so the cores stay free for what the two loops do
@@ -29,7 +30,6 @@ import sys
 import time
 
 from commsched.testing import run_ranks
-
 
 LOOPS = ("sharded", "sharded, under Join", "AllReduce()", "AllReduce(), under Join")
 """The four loops each rank trains, interleaved: what sharded state adds under ``Join`` is the
