@@ -81,17 +81,22 @@ def case_same_as_ddp(rank, world_size, strategy, model_kind, counts=batch_counts
     return case
 
 
+def train_until_one_rank_is_out(model, optimizer, rank, world_size):
+    """Under ``Join(throw_on_early_termination=True)``: every rank raises once the first runs out."""
+    with pytest.raises(RuntimeError, match="exhausted"):
+        with Join([model], throw_on_early_termination=True):
+            for x, y in batches_of(rank, batch_counts(world_size)[rank], (8,), None):
+                loss_of(model, x, y, None).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+
 def case_early_termination_raises_everywhere(rank, world_size):
     def case() -> None:
         torch.manual_seed(0)
         model = ParityNet()
         model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
-        with pytest.raises(RuntimeError, match="exhausted"):
-            with Join([model], throw_on_early_termination=True):
-                for x, y in batches_of(rank, batch_counts(world_size)[rank], (8,), None):
-                    loss_of(model, x, y, None).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
+        train_until_one_rank_is_out(model, optimizer, rank, world_size)
         commsched.release(model)
 
     return case
