@@ -519,9 +519,14 @@ def sharded_on_device(rank: int, world_size: int, device: str) -> None:
 def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
     """Each rank's own random compute delays: reductions complete in another order on every rank,
     so the updates (and their all-gathers) started ahead of the gates differ too, unless they
-    keep one order; results stay exact and nothing hangs."""
-    random_delays(rank, world_size, device, dataclasses.replace(STRATEGIES["tiny_partitions_and_credit"], timeout_s=60),
-                  iterations=24)
+    keep one order; results stay exact and nothing hangs. Then uneven inputs under ``Join`` on
+    the same ranks, three of them out of batches at different iterations (the last during warm-up)."""
+    strategy = dataclasses.replace(STRATEGIES["tiny_partitions_and_credit"], timeout_s=60)
+    run_subtests({
+        "random delays": functools.partial(random_delays, rank, world_size, device, strategy, iterations=24),
+        "uneven inputs under Join": functools.partial(case_uneven_inputs_under_join, rank, world_size, "adam",
+                                                      strategy, device=device),
+    })
 
 
 @in_shared_ranks(sharded_with_random_delays, 4, timeout_s=300)
