@@ -39,6 +39,10 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "adamw_eps_1e-4": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-4),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    # Two param groups, one with a tensor learning rate (which LR schedulers change in place).
+    "adam_two_groups_tensor_lr": lambda ps: torch.optim.Adam(
+        [{"params": (params := list(ps))[::2], "lr": torch.tensor(1e-2)},
+         {"params": params[1::2], "lr": 5e-3, "weight_decay": 1e-2}], foreach=False),
     # No per-bucket update in commsched: the optimizer's own step() runs.
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
     "rmsprop_momentum": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),

@@ -453,6 +453,8 @@ def sharded_grid(rank: int, world_size: int) -> None:
     cases["refusals"] = functools.partial(case_refusals, rank, world_size)
     join_cases = {"adam/small_buckets": ("adam", "small_buckets", batch_counts, False),
                   "sgd_momentum/no_overlap": ("sgd_momentum", "no_overlap", batch_counts, False),
+                  "adam, two groups, tensor lr/no_overlap": ("adam_two_groups_tensor_lr", "no_overlap", batch_counts,
+                                                             False),
                   "adam/small_buckets/GradScaler": ("adam_no_decay", "small_buckets", batch_counts, True),
                   "sgd_nesterov/default/out_during_warmup": ("sgd_nesterov", "default", out_during_warmup, False)}
     for name, (optimizer_name, label, counts, scaler) in join_cases.items():
