@@ -137,9 +137,10 @@ def task(name: str) -> Task:
 # -------------------------------------------------------------------------- systems
 def build(system: str, base: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``system`` (a name of `FP32_SYSTEMS`, `BF16_SYSTEMS` or `SPEED_SYSTEMS`) on a copy of ``base``."""
-    import commsched
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
+
+    import commsched
 
     model = copy.deepcopy(base)
     if "bf16 params" in system:

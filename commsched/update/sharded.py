@@ -22,6 +22,10 @@ every rank calls it), ``load_state_dict()`` takes a full one, saved by any
 world size or by plain torch.optim, and keeps this rank's fragments;
 ``commsched.release`` hands the full state back to the optimizer.
 
+Under torch's ``Join`` a rank out of batches still owns its chunks: it updates
+them at each of the others' steps, from a record they send (see [Note: a joined
+rank's shard] in `commsched.update.step_records`).
+
 Why ZeRO-1 and not ZeRO-2 (reduce-scatter of gradients): with gloo,
 ``reduce_scatter_tensor`` takes longer than an ``all_reduce`` of the same
 tensor (`benchmarks/collectives.py`), so a reduce-scatter and an all-gather

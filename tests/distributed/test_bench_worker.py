@@ -5,8 +5,8 @@ tables and the time breakdown."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import socket
 import subprocess
 import sys

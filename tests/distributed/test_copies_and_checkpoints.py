@@ -22,8 +22,8 @@ from torch.optim.lr_scheduler import ExponentialLR
 from torch.optim.swa_utils import AveragedModel
 
 import commsched
-from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched import CommschedModule, CommschedOptimizer
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import OPTIMIZERS, assert_same_parameters, run_subtests
 from commsched.testing.models import ParityNet
 from tests.distributed.test_allreduce_parity import batches, local_step, rank_slice, reference_step, uses_aux

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.ps.sharding import make_blocks, min_block_bytes_for, place_blocks, plan_model_sharding
+from commsched.ps.state import pack_block_state, unpack_block_state
 from commsched.update.kinds import decode_hyperparameters, encode_hyperparameters, hyperparameter_snapshot
 
 shapes = st.lists(
