@@ -396,7 +396,8 @@ class GradientReducer:
 
         The forward pass's buffer broadcast, then a backward pass with no
         gradient (zeros, flagged unused), issued in plan order and waited for;
-        no update, as torch DDP's joined ranks do.
+        no update, as torch DDP's joined ranks do, except of this rank's chunks
+        of sharded state (see [Note: a joined rank's shard]).
         """
         if self.layout is None:
             raise RuntimeError(
