@@ -147,10 +147,9 @@ class JoinedSteps:
         """This rank's first shadowed iteration: its own last one may still owe its record."""
         self._send_owed()
 
-    def receive(self, own: Hyperparameters, found_inf_like: torch.Tensor) -> tuple[Hyperparameters,
-                                                                                   GradScaling | None] | None:
+    def receive(self, own: Hyperparameters) -> tuple[Hyperparameters, GradScaling | None] | None:
         """On a rank out of batches, after the others' reductions: their step (see `StepRecords.receive`)."""
-        return self._records.receive(own, found_inf_like)
+        return self._records.receive(own)
 
     def close(self) -> None:
         if self._records is not None:

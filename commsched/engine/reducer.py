@@ -421,7 +421,7 @@ class GradientReducer:
             self._phase = Phase.IDLE
         if self._joined_steps.needed:
             # [Note: a joined rank's shard] This rank's chunks take the others' step.
-            step = self._joined_steps.receive(self.policy.snapshot(), self.params[0])
+            step = self._joined_steps.receive(self.policy.snapshot())
             if step is not None:
                 current.release_updates(*step)
                 current.stepped = True

@@ -114,7 +114,7 @@ class ShardedUpdate:
         self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
         self._kind = optimizer_kind(optimizer)
         device = next(p.device for group in optimizer.param_groups for p in group["params"])
-        self.step_records = StepRecords(self._kind, optimizer, gather_group, lambda: device, timeout_s)
+        self.step_records = StepRecords(self._kind, optimizer, gather_group, device, timeout_s)
         """What a rank out of batches under Join learns of the others' steps (see
         [Note: a joined rank's shard] in `commsched.update.step_records`)."""
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}

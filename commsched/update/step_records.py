@@ -47,8 +47,9 @@ class StepRecords:
     [Note: a joined rank's shard]."""
 
     def __init__(self, kind: str, optimizer: torch.optim.Optimizer, group: Callable[[], dist.ProcessGroup],
-                 device: Callable[[], torch.device], timeout_s: float):
-        """``group`` and ``device``: the all-gathers' process group and where its tensors go, read when used."""
+                 device: torch.device, timeout_s: float):
+        """``group``: the all-gathers' process group (read when used); ``device``: where its tensors go, and a
+        received ``GradScaler`` verdict."""
         self._kind, self._optimizer, self._group, self._device = kind, optimizer, group, device
         self._timeout_s = timeout_s
         self._sent: tuple[dist.Work, torch.Tensor] | None = None
@@ -59,7 +60,7 @@ class StepRecords:
     def send(self, hyperparameters: Hyperparameters | None, scaling: GradScaling | None) -> None:
         """On a rank still training: this iteration's step (None: no ``step()``), without waiting."""
         self.wait_sent()
-        record = torch.zeros(self._length(), dtype=torch.float64, device=self._device())
+        record = torch.zeros(self._length(), dtype=torch.float64, device=self._device)
         record[_SENT] = 1
         if hyperparameters is not None:
             record[_STEPPED] = 1
@@ -81,12 +82,10 @@ class StepRecords:
             wait_or_raise(work, self._timeout_s,
                           "the all-reduce of a step's record under Join (sharded optimizer state)")
 
-    def receive(self, own: Hyperparameters,
-                found_inf_like: torch.Tensor) -> tuple[Hyperparameters, GradScaling | None] | None:
+    def receive(self, own: Hyperparameters) -> tuple[Hyperparameters, GradScaling | None] | None:
         """On a rank out of batches: the others' step of this iteration, or None where they did not
-        step. ``own``: this rank's snapshot, whose kernel choices and value types are kept;
-        ``found_inf_like``: a tensor on the device a ``GradScaler``'s verdict goes to."""
-        record = torch.full((self._length(),), float("-inf"), dtype=torch.float64, device=self._device())
+        step. ``own``: this rank's snapshot, whose kernel choices and value types are kept."""
+        record = torch.full((self._length(),), float("-inf"), dtype=torch.float64, device=self._device)
         work = dist.all_reduce(record, op=dist.ReduceOp.MAX, group=self._group(), async_op=True)
         try:
             wait_work(work, self._timeout_s)
@@ -103,10 +102,10 @@ class StepRecords:
         hyperparameters = [_typed_as(mine, theirs) for mine, theirs in zip(own, decoded, strict=True)]
         scaling = None
         if values[_SCALED] == 1:
-            device = found_inf_like.device
-            grad_scale = (torch.tensor(values[_GRAD_SCALE], dtype=torch.float32, device=device)
+            grad_scale = (torch.tensor(values[_GRAD_SCALE], dtype=torch.float32, device=self._device)
                           if values[_HAS_SCALE] == 1 else None)
-            scaling = GradScaling(grad_scale, torch.tensor(values[_FOUND_INF], dtype=torch.float32, device=device))
+            found_inf = torch.tensor(values[_FOUND_INF], dtype=torch.float32, device=self._device)
+            scaling = GradScaling(grad_scale, found_inf)
         return hyperparameters, scaling
 
 
