@@ -268,8 +268,15 @@ def case_autotune_under_join(rank, world_size):
     reshard along in their shadowed iterations, and the state stays DDP's."""
     from tests.distributed.test_autotune import TUNE, TUNED_BY
 
+    counts = [TUNED_BY + 6 - 12 * r for r in range(world_size)]
+
+    def laid_out_anew_while_out(model) -> None:
+        while_out = [setting for iteration, setting in commsched.status(model).tuning.changes
+                     if iteration >= min(counts)]
+        assert len(while_out) >= 2, commsched.status(model).tuning.changes
+
     case_uneven_inputs_under_join(rank, world_size, "adam", dataclasses.replace(TUNE, backend=SHARDED),
-                                  counts=lambda n: [TUNED_BY + 6 - 5 * r for r in range(n)])
+                                  counts=lambda n: counts, check_prepared=laid_out_anew_while_out)
 
 
 def case_first_bucket_whole_when_small(rank, world_size):
@@ -333,13 +340,14 @@ def case_refusals(rank, world_size):
 
 # ------------------------------------------------------------------ Join
 def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, counts=batch_counts, scaler=False,
-                                  device="cpu", accumulate=False):
+                                  device="cpu", accumulate=False, check_prepared=None):
     """Uneven inputs under ``Join``: the parameters and the optimizer state of torch DDP under
     ``Join`` (of its rank that trained longest). The learning rate changes at every step, and
     with ``scaler`` an inf in the last iteration, which only rank 0 runs, skips that step:
     ranks out of batches update their chunks with the others' values and verdict
     ([Note: a joined rank's shard]). ``accumulate``: every other batch's backward pass runs
-    under ``no_sync()`` and is stepped with the next one's."""
+    under ``no_sync()`` and is stepped with the next one's. ``check_prepared``: called with the
+    prepared model at the end, before it is released."""
     count = counts(world_size)[rank]
     torch.manual_seed(0)
     model = ParityNet().to(device)
@@ -380,6 +388,8 @@ def case_uneven_inputs_under_join(rank, world_size, optimizer_name, strategy, co
             for key, value in values.items():
                 torch.testing.assert_close(state["state"][index][key], value, rtol=1e-5, atol=1e-7,
                                            msg=lambda m, i=index, k=key: f"state {i} {k}: {m}")
+    if check_prepared is not None:
+        check_prepared(model)
     commsched.release(model)
 
 
