@@ -13,7 +13,9 @@ at ``bucket_cap_mb`` 5 and 25 (its default; ``--ddp-bucket-mb`` sets the sweep),
 commsched's default ``AllReduce()``, commsched with sharded optimizer state, and
 torch FSDP2 (``fully_shard`` per layer, ``reshard_after_forward=False``).
 ``--fixed-layout`` adds the sharded system with ``Strategy(adaptive=False)``,
-whose buckets are never laid out anew.
+whose buckets are never laid out anew; ``--reduce-scatter`` adds it with
+``AllReduce(shard_optimizer=True, reduce_scatter=True)`` (ZeRO-2: gradients
+reduce-scattered, on gloo by an all-to-all); ``--no-fsdp2`` leaves FSDP2 out.
 
 As ``commsched bench`` does (`commsched.bench.grid`): first each system's peak
 RSS, in a child forked per system that trains it alone for a few iterations
@@ -59,6 +61,8 @@ FIXED = Commsched(Strategy(backend=AllReduce(shard_optimizer=True), adaptive=Fal
 """Sharded, without the cost model's choice of partitions at the end of warm-up: its buckets keep
 their first layout, which tells what a new layout costs in memory (where the buckets change, the
 whole state is gathered on every rank for a moment and cut anew)."""
+SCATTERED = Commsched(Strategy(backend=AllReduce(shard_optimizer=True, reduce_scatter=True)),
+                      "sharded, reduce-scatter")
 FSDP2 = TorchFSDP2()
 LEARNING_RATE = {"sgd": 0.005, "adam": 1e-3}
 """The bench's SGD learning rate, 0.05, diverges on this model."""
@@ -100,9 +104,11 @@ def ddp_sweep(bucket_mb: list[float]) -> tuple[TorchDDP, ...]:
     return tuple(TorchDDP() if mb == DDP_DEFAULT_BUCKET_MB else TorchDDP(mb) for mb in bucket_mb)
 
 
-def lineup(bucket_mb: list[float], fixed_layout: bool) -> tuple[System, ...]:
-    """The systems of every cell; ``fixed_layout`` adds `FIXED`."""
-    return (*ddp_sweep(bucket_mb), ALLREDUCE, SHARDED, *((FIXED,) if fixed_layout else ()), FSDP2)
+def lineup(bucket_mb: list[float], fixed_layout: bool, reduce_scatter: bool = False,
+           fsdp2: bool = True) -> tuple[System, ...]:
+    """The systems of every cell; ``fixed_layout`` adds `FIXED`, ``reduce_scatter`` `SCATTERED`."""
+    return (*ddp_sweep(bucket_mb), ALLREDUCE, SHARDED, *((FIXED,) if fixed_layout else ()),
+            *((SCATTERED,) if reduce_scatter else ()), *((FSDP2,) if fsdp2 else ()))
 
 
 def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namespace, port: int = 29541,
@@ -111,7 +117,7 @@ def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namesp
     and of the comparison}``. ``systems``: this script's `lineup` unless given (benchmarks/layouts.py)."""
     from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
 
-    systems = systems or lineup(args.ddp_bucket_mb, args.fixed_layout)
+    systems = systems or lineup(args.ddp_bucket_mb, args.fixed_layout, args.reduce_scatter, not args.no_fsdp2)
     spec = {"workload": args.workload, "batch_size": args.batch_size, "iterations": args.iterations,
             "rounds": args.rounds, "warmup": args.warmup, "learning_rate": LEARNING_RATE[optimizer],
             "optimizer": optimizer, "systems": [encode(system) for system in systems]}
@@ -147,9 +153,9 @@ def summarize(hosts: int, optimizer: str, runs: list[dict], ddp_names: list[str]
             "final_loss": _median(runs, name, lambda r: r["final_loss"]),
         }
     best_ddp = min(ddp_names, key=lambda name: systems[name]["ms"])
-    full, fsdp2, ddp = (systems[s] for s in (ALLREDUCE.name, FSDP2.name, best_ddp))
+    full, fsdp2, ddp = (systems.get(s) for s in (ALLREDUCE.name, FSDP2.name, best_ddp))
     targets = {}
-    for name in (SHARDED.name, FIXED.name):
+    for name in (SHARDED.name, FIXED.name, SCATTERED.name):
         if name not in systems:
             continue
         ours, sharding = systems[name], runs[0][name]["sharding"]
@@ -159,7 +165,7 @@ def summarize(hosts: int, optimizer: str, runs: list[dict], ddp_names: list[str]
             "rss_saved_over_state_saved_vs_best_ddp": _share(ddp, ours),
             "rss_saved_over_state_saved_vs_allreduce": _share(full, ours),
             "time_vs_allreduce": ours["ms"] / full["ms"],
-            "time_vs_fsdp2": ours["ms"] / fsdp2["ms"],
+            "time_vs_fsdp2": ours["ms"] / fsdp2["ms"] if fsdp2 else float("nan"),
             "time_vs_best_ddp": ours["ms"] / ddp["ms"],
         }
     return {"hosts": hosts, "optimizer": optimizer, "best_ddp": best_ddp, "systems": systems, "targets": targets}
@@ -218,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed-layout", action="store_true",
                         help="also train the sharded system with Strategy(adaptive=False): its buckets are never "
                              "laid out anew, which tells the new layout's peak from the steady state's")
+    parser.add_argument("--reduce-scatter", action="store_true",
+                        help="also train AllReduce(shard_optimizer=True, reduce_scatter=True) (ZeRO-2)")
+    parser.add_argument("--no-fsdp2", action="store_true", help="leave torch FSDP2 out (the slowest system)")
     parser.add_argument("--repeats", type=int, default=1, help="fresh clusters per cell")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per cluster")
     parser.add_argument("--json", type=Path, help="write every run and the summaries here")

@@ -127,7 +127,8 @@ def _prepare(
         else:
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                                  overlap_forward=strategy.overlap_forward)
-        transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype)
+        transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype,
+                                       reduce_scatter=strategy.reduce_scatters)
         try:
             reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
         except BaseException:

@@ -66,15 +66,31 @@ class AllReduce:
     averaged whole, so every loop stays exact. SGD, Adam and AdamW only; see
     README's "Sharded optimizer state"."""
 
+    reduce_scatter: bool = False
+    """With ``shard_optimizer``: reduce-scatter the gradients instead of all-reducing
+    them (ZeRO-2), so each rank receives only the averaged chunk it updates and the
+    wire carries the bytes of an all-reduce, not one and a half times them (with NCCL;
+    gloo's reduce-scatter is no faster than its all-reduce). ``param.grad`` then holds
+    the average only on this rank's chunk; elsewhere it reads NaN. Loops that change the
+    gradients before ``step()`` (clipping) or use a ``GradScaler`` need them whole: when
+    warm-up sees one, gradients stay all-reduced; see README's "Sharded optimizer state"."""
+
     def __repr__(self) -> str:
         """Only what differs from the default, as it would be written."""
+        if self.reduce_scatter:
+            return "AllReduce(shard_optimizer=True, reduce_scatter=True)"
         return "AllReduce(shard_optimizer=True)" if self.shard_optimizer else "AllReduce()"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shard_optimizer, bool):
+        for name in ("shard_optimizer", "reduce_scatter"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"AllReduce.{name} must be True or False, got {value!r} ({type(value).__name__})")
+        if self.reduce_scatter and not self.shard_optimizer:
             raise ValueError(
-                f"AllReduce.shard_optimizer must be True or False, got {self.shard_optimizer!r} "
-                f"({type(self.shard_optimizer).__name__})"
+                "AllReduce(reduce_scatter=True) hands each rank only the chunk of the gradients whose optimizer "
+                "state it keeps, so it needs that state sharded: use AllReduce(shard_optimizer=True, "
+                "reduce_scatter=True), or AllReduce() to keep all-reducing"
             )
 
 
@@ -379,6 +395,11 @@ class Strategy:
     def shards_optimizer(self) -> bool:
         """True with ``backend=AllReduce(shard_optimizer=True)``."""
         return isinstance(self.backend, AllReduce) and self.backend.shard_optimizer
+
+    @property
+    def reduce_scatters(self) -> bool:
+        """True with ``backend=AllReduce(shard_optimizer=True, reduce_scatter=True)``."""
+        return isinstance(self.backend, AllReduce) and self.backend.reduce_scatter
 
     @property
     def parameter_server(self) -> bool:

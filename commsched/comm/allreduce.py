@@ -1,7 +1,9 @@
 """All-reduce transport: each partition is averaged over the process group in place.
 
-A failed reduction names the lost rank: see [Note: naming the lost rank] in
-`commsched.comm.heartbeat`.
+With ``AllReduce(shard_optimizer=True, reduce_scatter=True)``, once warm-up is
+over, most buckets are reduce-scattered instead (see [Note: reduce-scattered
+buckets] in `commsched.comm.reduce_scatter`). A failed reduction names the lost
+rank: see [Note: naming the lost rank] in `commsched.comm.heartbeat`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from commsched.comm import reduce_scatter
 from commsched.comm.heartbeat import Heartbeat
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
@@ -25,26 +28,35 @@ logger = logging.getLogger("commsched")
 class _WorkHandle:
     """A torch.distributed ``Work`` whose failure or timeout becomes a clear error."""
 
-    __slots__ = ("_work", "_bucket", "_start", "_end", "_transport")
+    __slots__ = ("_work", "_bucket", "_partition", "_transport", "_scatter")
 
-    def __init__(self, work: dist.Work, bucket: Bucket, start: int, end: int, transport: AllReduceTransport):
+    def __init__(self, work: dist.Work, bucket: Bucket, partition: Partition, transport: AllReduceTransport,
+                 scatter: reduce_scatter.Scatter | None = None):
         self._work = work
         self._bucket = bucket  # keeps the buffer alive while the work runs
-        self._start, self._end = start, end
+        self._partition = partition
         self._transport = transport
+        self._scatter = scatter
+        """A reduce-scatter: it keeps its buffers while the work runs, and finishes it."""
 
     def wait(self, timeout_s: float) -> None:
-        bucket = self._bucket
+        bucket, partition, transport = self._bucket, self._partition, self._transport
+        scattered = self._scatter is not None
         try:
             wait_or_raise(
                 self._work, timeout_s,
-                f"the all-reduce of gradient bucket {bucket.index} (elements {self._start}:{self._end} "
-                f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)",
+                f"the {'reduce-scatter' if scattered else 'all-reduce'} of gradient bucket {bucket.index} "
+                f"({'of every chunk, ' if scattered else ''}elements {partition.start}:{partition.end} "
+                f"of {bucket.wire.numel() // transport.world_size if scattered else bucket.wire.numel()}, "
+                f"{bucket.wire_nbytes} bytes in all)",
             )
         except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
+            transport.explain_failure(error)
             raise
-        copy_back(bucket, self._start, self._end)
+        if scattered:
+            self._scatter.finish()
+        else:
+            copy_back(bucket, partition.start, partition.end)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -62,12 +74,22 @@ class AllReduceTransport:
     sums_usage_flags = True
     join_refusal = None
 
-    def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None):
-        """``reduce_dtype``: `commsched.Strategy.reduce_dtype`."""
+    def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
+                 reduce_scatter: bool = False):
+        """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
+        `commsched.AllReduce.reduce_scatter` (from `start_scattering` on)."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.is_local = self.world_size == 1
+        self.chunk_padding = self.world_size if reduce_scatter and not self.is_local else 1
+        """Buckets but the first in forward order are padded to a multiple of this many elements,
+        from the start, so that scattering needs no new layout of its own (one element per rank at most)."""
+        self.scattering = False
+        """Buckets laid out from now on are reduce-scattered (see `start_scattering`)."""
+        self.scattered: frozenset[int] = frozenset()
+        """The buckets of the current layout that are reduce-scattered."""
         self._backend_name = str(dist.get_backend(process_group))
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
@@ -76,10 +98,26 @@ class AllReduceTransport:
         if not self.is_local:  # one replica: nothing is summed
             for bucket in buckets:
                 bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
+        self.scattered = (reduce_scatter.scattered_buckets(bucket_set.priorities, self.world_size)
+                          if self.scattering else frozenset())
+        if self.scattered:
+            return reduce_scatter.cut_partitions(bucket_set, partition_bytes, self.scattered, self.world_size)
         return make_partitions(
             [b.wire.numel() for b in buckets], [b.wire.element_size() for b in buckets],
             bucket_set.priorities, None if self.is_local else partition_bytes,  # one replica: nothing on the wire
         )
+
+    def start_scattering(self) -> bool:
+        """Reduce-scatter the buckets of every layout from the next on (see [Note: reduce-scattered
+        buckets]), if the strategy asks for it and there are replicas; True if so."""
+        self.scattering = self.chunk_padding > 1
+        return self.scattering
+
+    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The elements of ``bucket``'s gradients that hold the average on this rank once reduced."""
+        if bucket.index in self.scattered:
+            return reduce_scatter.averaged_range(bucket, self.rank, self.world_size)
+        return 0, bucket.grad_numel
 
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size > 1:
@@ -92,9 +130,12 @@ class AllReduceTransport:
     def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
         if self.is_local:
             return COMPLETED
-        start, end = partition.start, partition.end
-        work = dist.all_reduce(bucket.wire[start:end], group=self.process_group, async_op=True)
-        return _WorkHandle(work, bucket, start, end, self)
+        if bucket.index in self.scattered:
+            scatter = reduce_scatter.Scatter(bucket, partition, self.rank, self.world_size, self.process_group,
+                                             by_all_to_all=self._backend_name == "gloo")
+            return _WorkHandle(scatter.work, bucket, partition, self, scatter)
+        work = dist.all_reduce(bucket.wire[partition.start:partition.end], group=self.process_group, async_op=True)
+        return _WorkHandle(work, bucket, partition, self)
 
     def explain_failure(self, error: CommunicationTimeout) -> None:
         """Name the ranks that stopped beating (see [Note: naming the lost rank])."""
@@ -108,7 +149,8 @@ class AllReduceTransport:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         summed = self.reduce_dtype is not None and not self.is_local
         reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
-        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype})")
+        scattered = ", reduce-scatter of every bucket but the first" if self.scattering else ""
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered})")
 
     def finish(self) -> None:
         if self._heartbeat is not None:

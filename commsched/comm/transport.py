@@ -2,8 +2,8 @@
 
 The reducer decides *which* partition goes *when*; a transport decides what
 that means on the wire (an all-reduce among the replicas; a push to a
-parameter server and the pull of its answer; later reduce-scatter/all-gather
-or a codec).
+parameter server and the pull of its answer; a reduce-scatter; later a
+codec).
 """
 
 from __future__ import annotations
@@ -76,6 +76,20 @@ class Transport(Protocol):
     """True when a partition arrives summed over the replicas, so per-parameter
     "has a gradient" flags can ride in the tail of the flags bucket
     (see [Note: unused parameters] in `commsched.engine.backward_pass`)."""
+
+    chunk_padding: int
+    """Every bucket but the flags bucket is padded to a multiple of this many elements (1: not
+    padded); see [Note: reduce-scattered buckets] in `commsched.comm.reduce_scatter`."""
+
+    scattering: bool
+    """True once buckets are reduce-scattered: each rank then holds the average of its own
+    chunk of them only (`averaged_range`)."""
+
+    def start_scattering(self) -> bool:
+        """From the next layout on, reduce-scatter the buckets if the strategy asks for it; True if so."""
+
+    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The elements of ``bucket``'s gradients that hold the average on this rank once reduced."""
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         """The buckets exist: cut them into partitions (the units on the wire) of about

@@ -125,6 +125,8 @@ class BackwardPass:
         """The user called ``optimizer.synchronize()`` after this pass's backward."""
         self.grads_released = False
         """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
+        self.grads_cleared = False
+        """``optimizer.zero_grad()`` ran after this pass's backward (either way)."""
         self.figures = IterationFigures(iteration)
         self._held = (frozenset(range(num_buckets)) if held_buckets is None else held_buckets) | {layout.flags_bucket}
         """Buckets issued only when the backward pass ends; see [Note: nested backward passes]."""
@@ -359,11 +361,11 @@ class BackwardPass:
         return self._finite is not None and self.scaling is None and verdict is not None and verdict.skipped
 
     def gradients_hold_nonfinite(self) -> bool:
-        """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients)."""
+        """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients),
+        where it holds the average on this rank."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for param in self._layout.params:
-            if param.grad is not None:
-                groups.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+        for grad in self._averaged_gradients():
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in groups.items():  # the kernel takes one device and dtype at a time
             found = torch.zeros(1, device=device)
             flag_nonfinite(grads, found, torch.ones(1, device=device))
@@ -377,7 +379,29 @@ class BackwardPass:
         for bucket in range(len(layout.buckets)):
             if not self._reduced[bucket]:
                 self._wait_reduced(bucket)
-        return [name for name, view in zip(layout.names, layout.views, strict=True) if not torch.isfinite(view).all()]
+        return [layout.names[slot] for slot, grad in self._averaged_gradients(with_slots=True)
+                if not torch.isfinite(grad).all()]
+
+    def _averaged_gradients(self, with_slots: bool = False) -> list:
+        """Each ``param.grad`` (None skipped; ``with_slots``: each bucket view instead, with its
+        slot), or only the part of it that holds the average on this rank where buckets are
+        reduce-scattered (see [Note: reduce-scattered buckets])."""
+        layout, found = self._layout, []
+        for slot, param in enumerate(layout.params):
+            grad = layout.views[slot] if with_slots else param.grad
+            if grad is None:
+                continue
+            if grad is layout.views[slot] and self._transport.scattering:
+                index = layout.bucket_of[slot]
+                bucket = layout.buckets[index]
+                offset = bucket.offsets[layout.bucket_slots[index].index(slot)]
+                low, high = self._transport.averaged_range(bucket)
+                low, high = max(low, offset), min(high, offset + param.numel())
+                if low >= high:
+                    continue
+                grad = bucket.flat[low:high]
+            found.append((slot, grad) if with_slots else grad)
+        return found
 
     def report_nonfinite(self, block: bool) -> None:
         """With `Strategy.check_finite`: raise or warn if some rank's gradients held inf or NaN.

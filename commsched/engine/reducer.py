@@ -61,10 +61,12 @@ from commsched.watch.fingerprint import ParameterFingerprint
 from commsched.watch.guards import (
     BACKWARD_UNFINISHED,
     GRADIENTS_CHANGED_REASON,
+    backward_again_before_step_error,
     check_gradient_kind,
     grad_scaler_after_warmup_error,
     gradients_touched_error,
     synchronize_during_backward_error,
+    whole_gradients_needed_error,
 )
 
 logger = logging.getLogger("commsched")
@@ -113,6 +115,9 @@ class GradientReducer:
         """The backward pass's end-of-pass callback ran in a nested backward pass
         before every gradient was in; see [Note: nested backward]."""
         self._sync_enabled = True
+        self._whole_gradients_needed: str | None = None
+        """Why the loop needs every rank to hold the whole averaged gradients, as warm-up saw:
+        they are then never reduce-scattered (see [Note: reduce-scattered buckets])."""
         self.awaiting_optimizer = awaiting_optimizer
         self._overlap_blocked = None if awaiting_optimizer else policy.overlap_blocker
         if config.overlap_requested and self._overlap_blocked:
@@ -180,7 +185,7 @@ class GradientReducer:
         layout = build_layout(
             self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
             lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
-            verdict_slots=transport.world_size if config.check_finite else 0,
+            verdict_slots=transport.world_size if config.check_finite else 0, chunk_padding=transport.chunk_padding,
         )
         self.layout = layout
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), config.credit_bytes)
@@ -201,9 +206,11 @@ class GradientReducer:
         self.choice = result.choice
         new_order = None
         configured = self.config.layout
+        scattering = self._start_scattering()
+        relaid = result.timeline is not None and result.choice is not None and self._use_partitioning(result.choice)
+        if scattering and not relaid:
+            self._relayout(self.layout.forward_order)
         if result.timeline is not None:
-            if result.choice is not None:
-                self._use_partitioning(result.choice)
             self._timeline = result.timeline
             self.plan = self._agree_on_plan()
             new_order = self.plan.order
@@ -225,8 +232,8 @@ class GradientReducer:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
         return new_order
 
-    def _use_partitioning(self, choice: Choice) -> None:
-        """Lay the buckets out anew if the cost model chose another partitioning.
+    def _use_partitioning(self, choice: Choice) -> bool:
+        """Lay the buckets out anew if the cost model chose another partitioning; True if so.
 
         Runs at the first gradient of the first iteration after warm-up, on every
         rank (the choice is rank 0's), before that pass's state exists: the
@@ -235,11 +242,23 @@ class GradientReducer:
         """
         chosen = choice.setting.on(self.config.layout)
         if chosen == self.config.layout:
-            return
+            return False
         self.config = self.config.with_layout(chosen)
         self._relayout(self.layout.forward_order)
         logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
                     len(self.layout.partitions), choice.reason)
+        return True
+
+    def _start_scattering(self) -> bool:
+        """At the end of warm-up: reduce-scatter from the next layout on, unless the loop was seen
+        needing the whole averaged gradients; True if the buckets must be laid out anew for it."""
+        if self.transport.chunk_padding == 1:
+            return False
+        if self._whole_gradients_needed is not None:
+            logger.warning("commsched: gradients stay all-reduced whole (reduce_scatter=True is off): %s",
+                           self._whole_gradients_needed)
+            return False
+        return self.transport.start_scattering()
 
     def _agree_on_plan(self) -> Plan:
         """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
@@ -314,7 +333,11 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         synchronised = self._sync_enabled
         if synchronised:
-            self.policy.before_backward(self.current is not None and not self.current.stepped)
+            # No local name for the pass: it would keep its buckets alive through a new layout below.
+            unstepped = self.current is not None and not self.current.stepped
+            if unstepped and self.transport.scattering and not self.current.grads_cleared:
+                raise backward_again_before_step_error()
+            self.policy.before_backward(unstepped)
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
         if self.current is not None:
@@ -585,6 +608,7 @@ class GradientReducer:
             return
         changed = current.gradients_changed()
         self.policy.check_step(changed, scaled=scaling is not None)
+        self._check_whole_gradients(changed, scaled=scaling is not None)
         if current.overlapping and not current.grads_final:
             if scaling is not None:
                 raise grad_scaler_after_warmup_error()
@@ -606,8 +630,25 @@ class GradientReducer:
             self.synchronize()
             current.report_nonfinite(block=True)
 
+    def _check_whole_gradients(self, changed: bool, scaled: bool) -> None:
+        """At ``step()``: whether the loop needs the whole averaged gradients on every rank. Noted in
+        warm-up (they then stay all-reduced); after it, with reduce-scattered buckets, refused. (A
+        loop that only reads them finds NaN where they are not averaged: see [Note: reduce-scattered
+        buckets].)"""
+        reason = GRAD_SCALER_REASON if scaled else GRADIENTS_CHANGED_REASON if changed else None
+        if reason is None:
+            return
+        if self.transport.scattering:
+            raise whole_gradients_needed_error(
+                "a torch.amp.GradScaler stepped this optimizer" if scaled else
+                "gradients were changed between backward() and step() (clip_grad_norm_, GradScaler.unscale_, ...)")
+        if self.lifecycle is Lifecycle.WARMUP and self._whole_gradients_needed is None:
+            self._whole_gradients_needed = reason
+
     def before_zero_grad(self, set_to_none: bool) -> None:
         self._end_deferred_backward()
+        if self.current is not None:
+            self.current.grads_cleared = True
         if not set_to_none:
             # Zeroing in place would race with reductions still in flight.
             self.synchronize()

@@ -77,7 +77,7 @@ class Bucket:
 
     ``tail_numel`` extra elements after the gradients belong to the bucket's owner
     (the reducer keeps per-parameter flags there so they travel in the same
-    collective).
+    collective; a reduce-scattered bucket is padded there to equal chunks).
     """
 
     def __init__(self, index: int, params: Sequence[torch.nn.Parameter], tail_numel: int = 0):

@@ -55,12 +55,15 @@ def build_layout(
     usage_flags: bool,
     cut: CutPartitions,
     verdict_slots: int = 0,
+    chunk_padding: int = 1,
 ) -> GradLayout:
     """Buckets in reverse forward order, their flat buffers and partitions.
 
     Gradients that exist already move into their buckets. ``usage_flags``: give
     the flags bucket one extra element per parameter, then ``verdict_slots`` more
-    (see [Note: non-finite gradients] in `commsched.engine.finite`).
+    (see [Note: non-finite gradients] in `commsched.engine.finite`). ``chunk_padding``:
+    pad every other bucket to a multiple of that many elements (see [Note:
+    reduce-scattered buckets] in `commsched.comm.reduce_scatter`).
     """
     bucket_slots, priorities = bucket_layout(params, forward_order, bucket_size_limits)
     flags_bucket = next(b for b, slots in enumerate(bucket_slots) if forward_order[0] in slots)
@@ -70,7 +73,10 @@ def build_layout(
     for b, slots in enumerate(bucket_slots):
         # One bucket at a time, its gradients moved in at once: an old bucket whose
         # gradients have all moved is freed before the next new one is made.
-        tail_numel = len(params) + verdict_slots if usage_flags and b == flags_bucket else 0
+        if b == flags_bucket:
+            tail_numel = len(params) + verdict_slots if usage_flags else 0
+        else:
+            tail_numel = -sum(params[s].numel() for s in slots) % chunk_padding
         bucket = Bucket(b, [params[s] for s in slots], tail_numel=tail_numel)
         buckets.append(bucket)
         for slot, view in zip(slots, bucket.grad_views, strict=True):

@@ -44,6 +44,27 @@ def grad_scaler_after_warmup_error() -> RuntimeError:
     )
 
 
+def whole_gradients_needed_error(what: str) -> RuntimeError:
+    """After warm-up, with reduce-scattered gradients, a loop that needs them whole (see [Note:
+    reduce-scattered buckets] in `commsched.comm.reduce_scatter`)."""
+    return RuntimeError(
+        f"{what} for the first time after warm-up, but with AllReduce(shard_optimizer=True, reduce_scatter=True) "
+        "each rank then holds the averaged gradients of its own chunk only (param.grad reads NaN elsewhere), so "
+        "this step would be wrong. Do it from the first iteration on (warm-up sees it and gradients are then "
+        "all-reduced whole), or use AllReduce(shard_optimizer=True), which always all-reduces them."
+    )
+
+
+def backward_again_before_step_error() -> RuntimeError:
+    return RuntimeError(
+        "a second synchronised backward pass began before step(), with AllReduce(shard_optimizer=True, "
+        "reduce_scatter=True): the gradients of the first were reduce-scattered, so each rank holds only its "
+        "own chunk averaged, and adding the second's would be wrong. Accumulate with model.no_sync() for every "
+        "backward pass but the last, call optimizer.zero_grad() between them, or use "
+        "AllReduce(shard_optimizer=True), which all-reduces the gradients whole."
+    )
+
+
 def gradient_twice_error(name: str) -> RuntimeError:
     return RuntimeError(
         f"parameter '{name}' received its gradient twice in one backward pass: it is used both inside "

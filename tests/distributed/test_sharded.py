@@ -253,14 +253,16 @@ def case_values_used_by_every_forward(rank, world_size, strategy, optimizer_name
     commsched.release(model)
 
 
-def case_autotune_switch_points(rank, world_size):
-    """The auto-tuner lays buckets out anew many times: the state is cut anew each time, exactly."""
+def case_autotune_switch_points(rank, world_size, backend=SHARDED):
+    """The auto-tuner lays buckets out anew many times: the state is cut anew each time, exactly.
+    Returns the model, released."""
     from tests.distributed.test_autotune import TUNE, assert_tuned_the_same_everywhere, train_in_lockstep
 
     model, seen = train_in_lockstep(rank, world_size, "plain", optimizer_name="adam",
-                                    strategy=dataclasses.replace(TUNE, backend=SHARDED))
+                                    strategy=dataclasses.replace(TUNE, backend=backend))
     assert_tuned_the_same_everywhere(model, seen)
     commsched.release(model)
+    return model
 
 
 def case_autotune_under_join(rank, world_size):
@@ -534,8 +536,11 @@ def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") 
     keep one order; results stay exact and nothing hangs. Then uneven inputs under ``Join`` on
     the same ranks, three of them out of batches at different iterations (the last during warm-up)."""
     strategy = dataclasses.replace(STRATEGIES["tiny_partitions_and_credit"], timeout_s=60)
+    scattered = dataclasses.replace(strategy, backend=commsched.AllReduce(shard_optimizer=True, reduce_scatter=True))
     run_subtests({
         "random delays": functools.partial(random_delays, rank, world_size, device, strategy, iterations=24),
+        "random delays, reduce-scattered": functools.partial(random_delays, rank, world_size, device, scattered,
+                                                             iterations=24),
         "uneven inputs under Join": functools.partial(case_uneven_inputs_under_join, rank, world_size, "adam",
                                                       strategy, device=device),
     })

@@ -1,0 +1,309 @@
+"""Reduce-scattered gradients (``AllReduce(shard_optimizer=True, reduce_scatter=True)``) train
+exactly like one process.
+
+Every case compares with single-process training on the concatenated batch,
+with 2 and 3 ranks (chunks that split parameters and end in padding), on every
+scheduling path, and checks that buckets were reduce-scattered after warm-up
+(or, where the loop needs whole gradients, that they were not). Each rank's
+``param.grad`` holds the average on its own chunk and NaN elsewhere. Loops
+that need the whole gradients are refused after warm-up, with the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import commsched
+from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, run_subtests
+from tests.distributed.test_allreduce_parity import (
+    PARITY_OPTIMIZERS,
+    batches,
+    case_no_sync_accumulation,
+    fresh_pair,
+    local_step,
+    rank_slice,
+    reference_backward,
+    reference_step,
+    uses_aux,
+)
+from tests.distributed.test_join import batch_counts
+from tests.distributed.test_mixed_precision import case as mixed_precision_case
+from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, train_and_compare
+from tests.distributed.test_sharded import case_autotune_switch_points, case_uneven_inputs_under_join
+from tests.distributed.test_training_loops import LOOPS
+from tests.distributed.test_training_loops import case as loop_case
+from tests.shared_ranks import in_shared_ranks
+
+pytestmark = pytest.mark.distributed
+
+SCATTERED = commsched.AllReduce(shard_optimizer=True, reduce_scatter=True)
+
+
+def scattered(**fields) -> commsched.Strategy:
+    return commsched.Strategy(backend=SCATTERED, **fields)
+
+
+STRATEGIES = {
+    "default": scattered(),
+    "small_buckets": scattered(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "one_bucket_per_tensor": scattered(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
+    "tiny_partitions_and_credit": scattered(bucket_cap_mb=0.004, first_bucket_mb=0.001,
+                                            partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, adaptive=False),
+    "no_priority": scattered(priority=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "no_overlap": scattered(overlap_forward=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "unfused": scattered(fuse_optimizer=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+}
+
+GRID = {
+    2: ("default", "one_bucket_per_tensor", "no_priority", "unfused"),
+    3: ("small_buckets", "tiny_partitions_and_credit", "no_overlap"),
+}
+"""The strategies of the parity grid per world size: together, every one of `STRATEGIES`."""
+
+
+def scattered_buckets(model) -> frozenset[int]:
+    """The buckets the model's transport reduce-scatters now."""
+    return model._commsched_reducer.transport.scattered
+
+
+def assert_scattering(model) -> None:
+    assert model._commsched_reducer.transport.scattering, commsched.status(model).transport
+
+
+def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
+    """Single-process parameters, with every bucket but the first reduce-scattered after warm-up."""
+    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
+    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    for iteration, (x, y) in enumerate(batches(world_size)):
+        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
+    assert_same_parameters(model, reference)
+    assert_equal_on_all_ranks(model)
+    layout = model._commsched_reducer.layout
+    assert scattered_buckets(model) == frozenset(range(len(layout.buckets))) - {layout.flags_bucket}
+    assert "reduce-scatter" in commsched.status(model).transport
+    commsched.release(model)
+
+
+def case_gradients_averaged_on_own_chunk(rank, world_size):
+    """After a reduce-scattered backward pass and ``synchronize()``, ``param.grad`` holds the
+    single-process gradient where this rank owns the bucket, and NaN in the other ranks' chunks
+    (never a silently wrong value); the all-reduced first bucket holds it whole."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("adam")
+    model, optimizer = commsched.prepare(model, optimizer, STRATEGIES["small_buckets"])
+    for iteration, (x, y) in enumerate(batches(world_size, 6)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        reference_backward(reference, x, y, iteration, world_size)
+        if iteration == 5:
+            optimizer.synchronize()
+            layout, transport = model._commsched_reducer.layout, model._commsched_reducer.transport
+            checked = nan_seen = 0
+            for index, bucket in enumerate(layout.buckets):
+                low, high = transport.averaged_range(bucket)
+                for slot, offset in zip(layout.bucket_slots[index], bucket.offsets, strict=True):
+                    name, grad = layout.names[slot], layout.params[slot].grad
+                    want = dict(reference.named_parameters())[name].grad
+                    if grad is None:
+                        assert want is None, name
+                        continue
+                    got, want = grad.detach().reshape(-1), want.reshape(-1)
+                    for element in range(got.numel()):
+                        if low <= offset + element < high:
+                            torch.testing.assert_close(got[element], want[element], rtol=1e-5, atol=1e-7)
+                            checked += 1
+                        else:
+                            assert index in scattered_buckets(model), (name, element)
+                            assert got[element].isnan(), (name, element)
+                            nan_seen += 1
+            assert checked and nan_seen, (checked, nan_seen)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+    commsched.release(model)
+
+
+def case_whole_gradients_kept_for_clipping(rank, world_size):
+    """``clip_grad_norm_`` from the first iteration: warm-up sees the gradients changed before
+    ``step()``, so they stay all-reduced whole (and the norm is the single-process one)."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
+    model, optimizer = commsched.prepare(model, optimizer, STRATEGIES["small_buckets"])
+    for iteration, (x, y) in enumerate(batches(world_size, 8)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        optimizer.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_backward(reference, x, y, iteration, world_size)
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=1e-7)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+    assert not scattered_buckets(model)
+    assert "reduce-scatter" not in commsched.status(model).transport
+    commsched.release(model)
+
+
+def case_refusals_after_warmup(rank, world_size):
+    """What needs the whole gradients, first done after warm-up, is refused on every rank, with the fix."""
+    with pytest.raises(ValueError, match=r"needs that state sharded: use AllReduce\(shard_optimizer=True, "
+                                         r"reduce_scatter=True\)"):
+        commsched.AllReduce(reduce_scatter=True)
+    with pytest.raises(ValueError, match=r"AllReduce.reduce_scatter must be True or False, got 'yes'"):
+        commsched.AllReduce(shard_optimizer=True, reduce_scatter="yes")
+
+    def trained_past_warmup():
+        model, optimizer, _, _ = fresh_pair("sgd_nesterov")
+        model, optimizer = commsched.prepare(model, optimizer, STRATEGIES["no_overlap"])
+        data = list(batches(world_size, 6))
+        for iteration, (x, y) in enumerate(data[:4]):
+            local_step(model, optimizer, x, y, iteration, rank)
+        assert scattered_buckets(model)
+        x, y = data[4]
+        return model, optimizer, lambda: F.mse_loss(model(x[rank_slice(rank)]), y[rank_slice(rank)])
+
+    model, optimizer, loss = trained_past_warmup()
+    loss().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    with pytest.raises(RuntimeError, match=r"gradients were changed between backward\(\) and step\(\).*for the "
+                                           r"first time after warm-up.*holds the averaged gradients of its own chunk "
+                                           r"only.*Do it from the first iteration on"):
+        optimizer.step()
+    commsched.release(model)
+
+    model, optimizer, loss = trained_past_warmup()
+    loss().backward()
+    with pytest.raises(RuntimeError, match=r"a second synchronised backward pass began before step\(\).*"
+                                           r"model.no_sync\(\)"):
+        loss().backward()
+    commsched.release(model)
+
+    # zero_grad() between two backward passes: the second is a fresh start, as in one process.
+    model, optimizer, loss = trained_past_warmup()
+    loss().backward()
+    optimizer.zero_grad()
+    loss().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert_equal_on_all_ranks(model)
+    commsched.release(model)
+
+
+def scattering_prepare(prepared: list):
+    """``commsched.prepare`` with this module's default strategy, keeping each model it prepares."""
+
+    def prepare(model, optimizer):
+        result = commsched.prepare(model, optimizer, STRATEGIES["default"])
+        prepared.append(result[0])
+        return result
+
+    return prepare
+
+
+def case_loop(rank, world_size, loop, optimizer_name="adam", reentrant=None):
+    """A loop of test_training_loops (activation checkpointing with ``reentrant``), reduce-scattered."""
+    prepared: list = []
+    loop_case(world_size, rank, loop, optimizer_name, reentrant, "last", scattering_prepare(prepared))()
+    assert_scattering(prepared[0])
+
+
+def case_grad_scaler_keeps_whole_gradients(rank, world_size, strategy):
+    """A ``GradScaler`` from the first iteration: its inf check reads every gradient, so warm-up
+    keeps them all-reduced whole; the steps it skips are skipped on every rank."""
+    mixed_precision_case(world_size, rank, strategy, "adam_no_decay", "plain")()
+
+
+def case_autotune(rank, world_size):
+    """The auto-tuner's layouts, every one reduce-scattered (its partitions cut across the chunks)."""
+    assert_scattering(case_autotune_switch_points(rank, world_size, SCATTERED))
+
+
+def case_check_finite(rank, world_size):
+    """``Strategy(check_finite="skip")``: an inf on one rank skips the step on every rank, in warm-up
+    and after it (the verdict rides with the first bucket, which is all-reduced); each rank names
+    only parameters whose average it holds."""
+    from tests.distributed.test_check_finite import INF_AT, ITERATIONS, Messages, loss_with_inf
+
+    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
+    model, optimizer = commsched.prepare(model, optimizer, dataclasses.replace(STRATEGIES["small_buckets"],
+                                                                               check_finite="skip"))
+    messages = Messages()
+    logging.getLogger("commsched").addHandler(messages)
+    try:
+        for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
+            loss_with_inf(model, x, y, iteration, rank).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if iteration in INF_AT:
+                reference_optimizer.zero_grad()  # one process skips the step
+            else:
+                reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+        optimizer.synchronize()
+    finally:
+        logging.getLogger("commsched").removeHandler(messages)
+    assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
+    assert_scattering(model)
+    skipped = [m for m in messages.messages if "gradients with inf or NaN on rank(s) 1" in m]
+    assert len(skipped) == len(INF_AT), messages.messages
+    commsched.release(model)
+
+
+def reduce_scatter_grid(rank: int, world_size: int) -> None:
+    cases = {}
+    for optimizer_name, label in itertools.product(PARITY_OPTIMIZERS, GRID[world_size]):
+        cases[f"single_process/{optimizer_name}/{label}"] = functools.partial(
+            case_parity, rank, world_size, optimizer_name, STRATEGIES[label])
+    cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
+        case_parity, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
+    cases["no_sync_accumulation"] = functools.partial(
+        case_no_sync_accumulation, rank, world_size, strategy=STRATEGIES["small_buckets"])
+    cases["gradients averaged on own chunk"] = functools.partial(case_gradients_averaged_on_own_chunk, rank,
+                                                                 world_size)
+    cases["whole gradients kept for clipping"] = functools.partial(case_whole_gradients_kept_for_clipping, rank,
+                                                                   world_size)
+    cases["check_finite"] = functools.partial(case_check_finite, rank, world_size)
+    cases["refusals after warm-up"] = functools.partial(case_refusals_after_warmup, rank, world_size)
+    cases["join/adam/small_buckets"] = functools.partial(
+        case_uneven_inputs_under_join, rank, world_size, "adam", STRATEGIES["small_buckets"], batch_counts,
+        check_prepared=assert_scattering)
+    if world_size == 2:
+        for loop in LOOPS[1:]:
+            cases[f"loop/{loop}"] = functools.partial(case_loop, rank, world_size, loop)
+        for reentrant in (True, False):
+            cases[f"loop/{'reentrant' if reentrant else 'non_reentrant'} checkpoint"] = functools.partial(
+                case_loop, rank, world_size, "plain", "sgd_momentum", reentrant)
+        for label in ("default", "no_overlap"):
+            cases[f"GradScaler/{label}"] = functools.partial(case_grad_scaler_keeps_whole_gradients, rank,
+                                                             world_size, STRATEGIES[label])
+        cases["autotune switch points"] = functools.partial(case_autotune, rank, world_size)
+        cases["on the CPU device"] = functools.partial(reduce_scatter_on_device, rank, world_size, "cpu")
+    run_subtests(cases)
+
+
+def reduce_scatter_on_device(rank: int, world_size: int, device: str) -> None:
+    """The cases that take a device (tests/gpu runs them on CUDA)."""
+    cases = {}
+    for label, optimizer_name in itertools.product(("default", "tiny_partitions_and_credit", "no_overlap"),
+                                                   ("sgd_nesterov", "adamw")):
+        cases[f"{label}/{optimizer_name}"] = functools.partial(
+            train_and_compare, rank, world_size, optimizer_name, STRATEGIES[label], device=device)
+    cases["uneven inputs under Join"] = functools.partial(
+        case_uneven_inputs_under_join, rank, world_size, "adam", STRATEGIES["default"], batch_counts, False, device,
+        check_prepared=assert_scattering)
+    run_subtests(cases)
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(world_size, marks=in_shared_ranks(reduce_scatter_grid, world_size, timeout_s=300))
+    for world_size in (2, 3)])
+def test_reduce_scatter_grid(shared_ranks, world_size):
+    shared_ranks.result()
