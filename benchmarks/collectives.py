@@ -17,7 +17,8 @@ reduce-scatters built from other collectives, to see what gloo's transport can
 do: ``all_to_all_single`` of the N chunks followed by a local sum, and a ring of
 ``isend``/``irecv`` (N-1 steps, each passing one accumulated chunk to the next
 rank); and ``all_gather_single`` (``all_gather_into_tensor``) of a 1/N chunk into
-the tensor. All concern the same bytes. Without root (or with ``--loopback``) the
+the tensor, and the same built from ``all_to_all_single`` (each rank sends N copies of
+its chunk, one to every rank, all at once). All concern the same bytes. Without root (or with ``--loopback``) the
 ranks run on this machine's loopback instead, unshaped.
 
 Every round runs every size, and per size the collectives take turns (the
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring",
-       "all_gather")
+       "all_gather", "all_gather_a2a")
 REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring")
 MIB = 2**20
 
@@ -81,6 +82,11 @@ def _collectives(elements: int, world_size: int) -> dict[str, Callable[[], objec
             running[(rank - step - 2) % world_size] += passed_on
         chunk.copy_(running[rank])
 
+    def all_gather_a2a() -> None:
+        """Each rank sends its chunk to every rank at once (an all-to-all of N copies of it)."""
+        exchanged.view(world_size, -1).copy_(chunk.expand(world_size, -1))
+        dist.all_to_all_single(full, exchanged)
+
     return {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: reduce_scatter_single(chunk, full),
@@ -88,6 +94,7 @@ def _collectives(elements: int, world_size: int) -> dict[str, Callable[[], objec
         "reduce_scatter_a2a": reduce_scatter_a2a,
         "reduce_scatter_ring": reduce_scatter_ring,
         "all_gather": lambda: all_gather_single(full, chunk),
+        "all_gather_a2a": all_gather_a2a,
     }
 
 
@@ -198,9 +205,11 @@ COLUMNS = {
     "(reduce_scatter_a2a+all_gather)/(all_reduce+all_gather)": "(RS a2a+AG) / (AR+AG)",
     "reduce_scatter_ring_ms": "RS p2p ring ms", "reduce_scatter_ring/all_reduce": "RS p2p ring / AR",
     "(reduce_scatter_ring+all_gather)/(all_reduce+all_gather)": "(RS p2p ring+AG) / (AR+AG)",
+    "all_gather_a2a_ms": "AG a2a ms",
 }
 """Row key: column heading (AR all_reduce, RS reduce_scatter_single, RS list: reduce_scatter of a list
-of chunks, RS a2a: all_to_all_single and a sum, RS p2p ring: isend/irecv around a ring, AG all_gather_single)."""
+of chunks, RS a2a: all_to_all_single and a sum, RS p2p ring: isend/irecv around a ring, AG all_gather_single, AG a2a: all_to_all_single of N copies of
+the chunk)."""
 
 
 def markdown(table: list[dict]) -> str:

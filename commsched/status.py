@@ -114,6 +114,10 @@ class Status:
     sharding: ShardStatus | None = None
     """With ``AllReduce(shard_optimizer=True)``: what each rank owns and this rank's bytes of
     optimizer state (None: unsharded)."""
+    reduce_scatter_off_reason: str | None = None
+    """With ``AllReduce(shard_optimizer=True, reduce_scatter=True)``: why gradients stay all-reduced
+    whole (warm-up saw the loop need them whole); None where they are reduce-scattered, or will be
+    after warm-up, or where the strategy does not ask for it."""
     process_groups: ProcessGroups | None = None
     """The groups the model communicates on (replicas, buffer broadcasts, control messages); None
     once released. The buffer and control groups are commsched's side groups where it needs them."""
@@ -138,6 +142,8 @@ class Status:
             lines.append(f"  reduction: {reduction}")
         if self.sharding is not None:
             lines.append(f"  {self.sharding.describe()}")
+        if self.reduce_scatter_off_reason is not None:
+            lines.append(f"  reduce-scatter: off ({self.reduce_scatter_off_reason})")
         if self.tuning is not None:
             lines.append(self.tuning.describe())
         if self.updated_at_step or self.updated_after_forward:
@@ -187,6 +193,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         lifecycle=reducer.lifecycle,
         iterations=0 if current is None else current.iteration + 1,
         overlap_off_reason=reducer.overlap_off_reason,
+        reduce_scatter_off_reason=reducer.reduce_scatter_off_reason,
         plan=plan_text,
         transport=transport.description,
         buckets=buckets,

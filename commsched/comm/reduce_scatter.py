@@ -20,7 +20,11 @@ reduce-scatter gives it exactly that, and moves half an all-reduce's bytes
 - After the reduction, the other ranks' chunks of ``param.grad`` hold this
   rank's own unaveraged gradients. Read there, they would be silently wrong
   (a norm, a log), so they are filled with NaN: wrong loudly. ``zero_grad()``
-  (or ``set_to_none``) clears them, as it clears any gradient.
+  clears them, as it clears any gradient; a backward pass that would add to
+  them (two before one ``step()``, or gradients kept across steps) is refused
+  (`BackwardPass.gradients_left_scattered`). So is a loop that changes them
+  before ``step()`` or a ``GradScaler`` (they need the whole average): when
+  warm-up, which all-reduces, sees one, the buckets stay all-reduced for good.
 """
 
 from __future__ import annotations

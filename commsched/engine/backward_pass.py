@@ -32,6 +32,7 @@ a bucket already issued (a pattern first seen later) is an error that says so.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -381,6 +382,26 @@ class BackwardPass:
                 self._wait_reduced(bucket)
         return [layout.names[slot] for slot, grad in self._averaged_gradients(with_slots=True)
                 if not torch.isfinite(grad).all()]
+
+    def gradients_left_scattered(self) -> bool:
+        """Whether this pass's reduce-scattered gradients are still ``param.grad``, not cleared since
+        (see [Note: reduce-scattered buckets]): a backward pass now would add to NaN. Read from one
+        element of another rank's chunk per bucket, and only where ``optimizer.zero_grad()`` did not
+        run (a gradient set to None, or zeroed in place, is not left)."""
+        if self.grads_cleared or not self._transport.scattering:
+            return False
+        layout, probes = self._layout, []
+        for index, bucket in enumerate(layout.buckets):
+            low, high = self._transport.averaged_range(bucket)
+            if (low, high) == (0, bucket.grad_numel):
+                continue  # all-reduced
+            element = 0 if low > 0 else high
+            if element >= bucket.grad_numel:
+                continue
+            slot = layout.bucket_slots[index][bisect.bisect_right(bucket.offsets, element) - 1]
+            if layout.params[slot].grad is layout.views[slot]:
+                probes.append(bucket.flat[element])
+        return bool(probes) and bool(torch.stack(probes).isnan().any())
 
     def _averaged_gradients(self, with_slots: bool = False) -> list:
         """Each ``param.grad`` (None skipped; ``with_slots``: each bucket view instead, with its

@@ -61,10 +61,10 @@ from commsched.watch.fingerprint import ParameterFingerprint
 from commsched.watch.guards import (
     BACKWARD_UNFINISHED,
     GRADIENTS_CHANGED_REASON,
-    backward_again_before_step_error,
     check_gradient_kind,
     grad_scaler_after_warmup_error,
     gradients_touched_error,
+    scattered_gradients_left_error,
     synchronize_during_backward_error,
     whole_gradients_needed_error,
 )
@@ -193,6 +193,14 @@ class GradientReducer:
         if self.overlap_off_reason is None:
             self.gating.install(layout)
         self._events.layout_built(layout, transport.describe().placement)
+
+    @property
+    def reduce_scatter_off_reason(self) -> str | None:
+        """Why gradients stay all-reduced though the strategy asks for a reduce-scatter (see
+        `_start_scattering`); None otherwise."""
+        if self.transport.chunk_padding == 1 or self.lifecycle is Lifecycle.WARMUP:
+            return None
+        return self._whole_gradients_needed
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: the cost model's choice, the plan, overlap or not, tuning.
@@ -333,13 +341,11 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         synchronised = self._sync_enabled
         if synchronised:
-            # No local name for the pass: it would keep its buckets alive through a new layout below.
-            unstepped = self.current is not None and not self.current.stepped
-            if unstepped and self.transport.scattering and not self.current.grads_cleared:
-                raise backward_again_before_step_error()
-            self.policy.before_backward(unstepped)
+            self.policy.before_backward(self.current is not None and not self.current.stepped)
         # The previous iteration's reductions write into the buffers we are about to fill.
         self.synchronize()
+        if self.current is not None and self.current.gradients_left_scattered():
+            raise scattered_gradients_left_error()
         if self.current is not None:
             self.current.report_nonfinite(block=True)
         if self.layout is None:

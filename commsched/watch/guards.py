@@ -55,13 +55,13 @@ def whole_gradients_needed_error(what: str) -> RuntimeError:
     )
 
 
-def backward_again_before_step_error() -> RuntimeError:
+def scattered_gradients_left_error() -> RuntimeError:
     return RuntimeError(
-        "a second synchronised backward pass began before step(), with AllReduce(shard_optimizer=True, "
-        "reduce_scatter=True): the gradients of the first were reduce-scattered, so each rank holds only its "
-        "own chunk averaged, and adding the second's would be wrong. Accumulate with model.no_sync() for every "
-        "backward pass but the last, call optimizer.zero_grad() between them, or use "
-        "AllReduce(shard_optimizer=True), which all-reduces the gradients whole."
+        "a backward pass began while param.grad still holds the gradients of the last one, which were "
+        "reduce-scattered (AllReduce(shard_optimizer=True, reduce_scatter=True)): each rank holds only its own "
+        "chunk averaged, NaN elsewhere, so adding new gradients to them would be wrong. Call "
+        "optimizer.zero_grad() after each step(); to accumulate several backward passes, run all but the last "
+        "under model.no_sync(); or use AllReduce(shard_optimizer=True), which all-reduces the gradients whole."
     )
 
 

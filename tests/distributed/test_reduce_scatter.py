@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, run_subtests
+from commsched.watch.guards import GRADIENTS_CHANGED_REASON
 from tests.distributed.test_allreduce_parity import (
     PARITY_OPTIMIZERS,
     batches,
@@ -88,7 +89,8 @@ def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
     assert_equal_on_all_ranks(model)
     layout = model._commsched_reducer.layout
     assert scattered_buckets(model) == frozenset(range(len(layout.buckets))) - {layout.flags_bucket}
-    assert "reduce-scatter" in commsched.status(model).transport
+    status = commsched.status(model)
+    assert "reduce-scatter" in status.transport and status.reduce_scatter_off_reason is None
     commsched.release(model)
 
 
@@ -149,7 +151,10 @@ def case_whole_gradients_kept_for_clipping(rank, world_size):
         reference_optimizer.zero_grad()
     assert_same_parameters(model, reference)
     assert not scattered_buckets(model)
-    assert "reduce-scatter" not in commsched.status(model).transport
+    status = commsched.status(model)
+    assert "reduce-scatter" not in status.transport
+    assert status.reduce_scatter_off_reason == GRADIENTS_CHANGED_REASON
+    assert f"reduce-scatter: off ({GRADIENTS_CHANGED_REASON})" in status.describe()
     commsched.release(model)
 
 
@@ -180,22 +185,44 @@ def case_refusals_after_warmup(rank, world_size):
         optimizer.step()
     commsched.release(model)
 
+    left = r"a backward pass began while param.grad still holds the gradients of the last one.*model.no_sync\(\)"
     model, optimizer, loss = trained_past_warmup()
     loss().backward()
-    with pytest.raises(RuntimeError, match=r"a second synchronised backward pass began before step\(\).*"
-                                           r"model.no_sync\(\)"):
+    with pytest.raises(RuntimeError, match=left):  # two backward passes, one step
         loss().backward()
     commsched.release(model)
-
-    # zero_grad() between two backward passes: the second is a fresh start, as in one process.
     model, optimizer, loss = trained_past_warmup()
     loss().backward()
-    optimizer.zero_grad()
-    loss().backward()
     optimizer.step()
-    optimizer.zero_grad()
-    assert_equal_on_all_ranks(model)
+    with pytest.raises(RuntimeError, match=left):  # gradients accumulated across steps
+        with model.no_sync():
+            loss().backward()
     commsched.release(model)
+
+    # Gradients cleared between two backward passes (each way): the second starts afresh, as in one process.
+    for clear in (optimizer_zero_grad, model_zero_grad, model_zero_grad_in_place):
+        model, optimizer, loss = trained_past_warmup()
+        loss().backward()
+        clear(model, optimizer)
+        loss().backward()
+        optimizer.step()
+        clear(model, optimizer)
+        loss().backward()
+        optimizer.step()
+        assert_equal_on_all_ranks(model)
+        commsched.release(model)
+
+
+def optimizer_zero_grad(model, optimizer):
+    optimizer.zero_grad()
+
+
+def model_zero_grad(model, optimizer):
+    model.zero_grad()
+
+
+def model_zero_grad_in_place(model, optimizer):
+    model.zero_grad(set_to_none=False)
 
 
 def scattering_prepare(prepared: list):

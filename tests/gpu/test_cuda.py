@@ -21,6 +21,7 @@ from commsched.testing.models import BatchNormNet
 from tests.distributed.test_check_finite import check_finite
 from tests.distributed.test_ddp_idioms import case_drop_in
 from tests.distributed.test_mixed_precision import mixed_precision_cases, reduce_dtype_cases
+from tests.distributed.test_reduce_scatter import reduce_scatter_on_device
 from tests.distributed.test_sharded import sharded_on_device, sharded_with_random_delays
 
 pytestmark = [
@@ -106,3 +107,9 @@ def test_sharded_state_gloo_with_cuda_tensors_two_ranks():
     """The all-gathers of updated parameters and of the state, on CUDA tensors, with skewed ranks."""
     run_ranks(sharded_on_device, 2, "cuda", timeout_s=300)
     run_ranks(sharded_with_random_delays, 2, "cuda", timeout_s=300)
+
+
+def test_reduce_scatter_gloo_with_cuda_tensors_two_ranks():
+    """Reduce-scattered gradients (gloo's all-to-all on CUDA tensors), the NaN fill and the update
+    of each rank's chunk on the device, with ``Join``."""
+    run_ranks(reduce_scatter_on_device, 2, "cuda", timeout_s=300)
