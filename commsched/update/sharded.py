@@ -1,4 +1,4 @@
-"""Sharded optimizer state (ZeRO-1): each rank keeps the state of, and updates, 1/N of every bucket.
+"""Sharded optimizer state (ZeRO-1, or ZeRO-2): each rank keeps the state of, and updates, 1/N of every bucket.
 
 [Note: sharded optimizer state] Gradients are averaged as the all-reduce
 backend averages them, so every rank holds the full averaged gradients and
@@ -26,13 +26,13 @@ Under torch's ``Join`` a rank out of batches still owns its chunks: it updates
 them at each of the others' steps, from a record they send (see [Note: a joined
 rank's shard] in `commsched.update.step_records`).
 
-Why ZeRO-1 and not ZeRO-2 (reduce-scatter of gradients): with gloo,
-``reduce_scatter_tensor`` takes longer than an ``all_reduce`` of the same
-tensor (`benchmarks/collectives.py`), so a reduce-scatter and an all-gather
-cost more than an all-reduce and an all-gather; one built from a ring of
-``isend``/``irecv`` would save about a quarter of that from 4 hosts on and
-nothing at 2 (docs/benchmarks.md, "Why not reduce-scatter (ZeRO-2) on gloo");
-and full averaged gradients keep every loop exact.
+Why ZeRO-1 by default and not ZeRO-2 (reduce-scatter of gradients, which
+``AllReduce(reduce_scatter=True)`` turns on: see [Note: reduce-scattered buckets]
+in `commsched.comm.reduce_scatter`): full averaged gradients keep every loop
+exact (clipping, a ``GradScaler``, gradients read before ``step()``), and on
+gloo a reduce-scatter saves little at 2 hosts (docs/benchmarks.md,
+"Reduce-scatter (ZeRO-2) on gloo: by an all-to-all"). This policy needs
+nothing of its own for it: it reads only its chunk's gradients.
 
 [Note: the first bucket is not sharded] The bucket the forward pass needs
 first (the input side's, reduced last in backward) has no computation before

@@ -53,14 +53,17 @@ def scattered(**fields) -> commsched.Strategy:
 
 STRATEGIES = {
     "default": scattered(),
-    "small_buckets": scattered(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "small_buckets": scattered(bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
     "one_bucket_per_tensor": scattered(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
     "tiny_partitions_and_credit": scattered(bucket_cap_mb=0.004, first_bucket_mb=0.001,
                                             partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, adaptive=False),
     "no_priority": scattered(priority=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
-    "no_overlap": scattered(overlap_forward=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
-    "unfused": scattered(fuse_optimizer=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+    "no_overlap": scattered(overlap_forward=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
+    "unfused": scattered(fuse_optimizer=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
 }
+"""Small buckets keep their layout (``adaptive=False``): the cost model would lay ParityNet out in
+one bucket after warm-up, the first, which is all-reduced. "default" and "one_bucket_per_tensor"
+keep the cost model's choice (the latter's layout is cut anew at the end of warm-up)."""
 
 GRID = {
     2: ("default", "one_bucket_per_tensor", "no_priority", "unfused"),
@@ -89,6 +92,9 @@ def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
     assert_equal_on_all_ranks(model)
     layout = model._commsched_reducer.layout
     assert scattered_buckets(model) == frozenset(range(len(layout.buckets))) - {layout.flags_bucket}
+    scattered_bytes = sum(layout.buckets[b].nbytes for b in scattered_buckets(model))
+    if strategy.adaptive is False or strategy.priority is False:  # the cost model keeps its hands off
+        assert scattered_bytes > layout.buckets[layout.flags_bucket].nbytes, commsched.status(model).buckets
     status = commsched.status(model)
     assert "reduce-scatter" in status.transport and status.reduce_scatter_off_reason is None
     commsched.release(model)
@@ -284,6 +290,28 @@ def case_check_finite(rank, world_size):
     commsched.release(model)
 
 
+def case_bfloat16_on_the_wire(rank, world_size):
+    """``Strategy(reduce_dtype=torch.bfloat16)``: float32 gradients go on the wire (the all-to-all)
+    as bfloat16 and are summed there; the parameters stay within the bfloat16 wire's error of
+    one float32 process, and some differ from it."""
+    from tests.distributed.test_mixed_precision import BFLOAT16_WIRE_ERROR, parameter_error
+
+    model, optimizer, reference, reference_optimizer = fresh_pair("sgd_nesterov")  # Adam magnifies it 20 times
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model, optimizer = commsched.prepare(model, optimizer, dataclasses.replace(STRATEGIES["small_buckets"],
+                                                                               reduce_dtype=torch.bfloat16))
+    for iteration, (x, y) in enumerate(batches(world_size)):
+        local_step(model, optimizer, x, y, iteration, rank)
+        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+    error = parameter_error(model, reference, initial)
+    assert 1e-6 < error < BFLOAT16_WIRE_ERROR, error
+    assert_equal_on_all_ranks(model)
+    assert_scattering(model)
+    buckets = commsched.status(model).buckets
+    assert {b.reduce_dtype for b in buckets if b.dtype == "float32"} == {"bfloat16"}, buckets  # float64 keeps its own
+    commsched.release(model)
+
+
 def reduce_scatter_grid(rank: int, world_size: int) -> None:
     cases = {}
     for optimizer_name, label in itertools.product(PARITY_OPTIMIZERS, GRID[world_size]):
@@ -298,6 +326,7 @@ def reduce_scatter_grid(rank: int, world_size: int) -> None:
     cases["whole gradients kept for clipping"] = functools.partial(case_whole_gradients_kept_for_clipping, rank,
                                                                    world_size)
     cases["check_finite"] = functools.partial(case_check_finite, rank, world_size)
+    cases["bfloat16 on the wire"] = functools.partial(case_bfloat16_on_the_wire, rank, world_size)
     cases["refusals after warm-up"] = functools.partial(case_refusals_after_warmup, rank, world_size)
     cases["join/adam/small_buckets"] = functools.partial(
         case_uneven_inputs_under_join, rank, world_size, "adam", STRATEGIES["small_buckets"], batch_counts,
