@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring",
+OPS = ("all_reduce", "all_reduce_a2a", "reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring",
        "all_gather", "all_gather_a2a")
 REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_list", "reduce_scatter_a2a", "reduce_scatter_ring")
 MIB = 2**20
@@ -87,8 +87,14 @@ def _collectives(elements: int, world_size: int) -> dict[str, Callable[[], objec
         exchanged.view(world_size, -1).copy_(chunk.expand(world_size, -1))
         dist.all_to_all_single(full, exchanged)
 
+    def all_reduce_a2a() -> None:
+        """A reduce-scatter by all-to-all, then an all-gather by all-to-all: 2 steps, not 2(N-1)."""
+        reduce_scatter_a2a()
+        all_gather_a2a()
+
     return {
         "all_reduce": lambda: dist.all_reduce(full),
+        "all_reduce_a2a": all_reduce_a2a,
         "reduce_scatter": lambda: reduce_scatter_single(chunk, full),
         "reduce_scatter_list": lambda: dist.reduce_scatter(chunk, pieces),
         "reduce_scatter_a2a": reduce_scatter_a2a,
@@ -205,7 +211,7 @@ COLUMNS = {
     "(reduce_scatter_a2a+all_gather)/(all_reduce+all_gather)": "(RS a2a+AG) / (AR+AG)",
     "reduce_scatter_ring_ms": "RS p2p ring ms", "reduce_scatter_ring/all_reduce": "RS p2p ring / AR",
     "(reduce_scatter_ring+all_gather)/(all_reduce+all_gather)": "(RS p2p ring+AG) / (AR+AG)",
-    "all_gather_a2a_ms": "AG a2a ms",
+    "all_gather_a2a_ms": "AG a2a ms", "all_reduce_a2a_ms": "AR a2a ms",
 }
 """Row key: column heading (AR all_reduce, RS reduce_scatter_single, RS list: reduce_scatter of a list
 of chunks, RS a2a: all_to_all_single and a sum, RS p2p ring: isend/irecv around a ring, AG all_gather_single, AG a2a: all_to_all_single of N copies of

@@ -274,3 +274,13 @@ def highest_rank_still_training(training: bool, group: dist.ProcessGroup, timeou
     work = dist.all_reduce(candidate, dist.ReduceOp.MAX, group=group, async_op=True)
     wait_or_raise(work, timeout_s, "the choice of the rank to copy buffers or parameters from (Join)")
     return int(candidate)
+
+
+def on_any_rank(flag: bool, group: dist.ProcessGroup, timeout_s: float, what: str) -> bool:
+    """Whether ``flag`` holds on some rank of ``group``: one all-reduce (MAX) of it, for a choice
+    every rank must make alike (``what`` names it in a timeout)."""
+    if dist.get_world_size(group) == 1:
+        return flag
+    tensor = torch.tensor([int(flag)], dtype=torch.int64)
+    wait_or_raise(dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, what)
+    return bool(tensor)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
+from commsched.comm.agreement import on_any_rank
 from commsched.comm.transport import Transport, failures_explained
 from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
@@ -70,6 +71,10 @@ from commsched.watch.guards import (
 )
 
 logger = logging.getLogger("commsched")
+
+WHOLE_GRADIENTS_ON_ANOTHER_RANK = (
+    "another rank's loop changed its gradients between backward() and step(), or used a GradScaler, in warm-up"
+)
 
 ONE_REPLICA_REASON = "one replica: there is no reduction to hide, so every bucket is updated at step()"
 
@@ -258,10 +263,15 @@ class GradientReducer:
         return True
 
     def _start_scattering(self) -> bool:
-        """At the end of warm-up: reduce-scatter from the next layout on, unless the loop was seen
-        needing the whole averaged gradients; True if the buckets must be laid out anew for it."""
+        """At the end of warm-up: reduce-scatter from the next layout on, unless some rank's loop was
+        seen needing the whole averaged gradients; True if the buckets must be laid out anew for it.
+        Every rank decides alike (one all-reduce): the collectives of the two differ."""
         if self.transport.chunk_padding == 1:
             return False
+        needed_somewhere = on_any_rank(self._whole_gradients_needed is not None, self.groups.control,
+                                       self.config.timeout_s, "the agreement on reduce-scattering gradients")
+        if needed_somewhere and self._whole_gradients_needed is None:
+            self._whole_gradients_needed = WHOLE_GRADIENTS_ON_ANOTHER_RANK
         if self._whole_gradients_needed is not None:
             logger.warning("commsched: gradients stay all-reduced whole (reduce_scatter=True is off): %s",
                            self._whole_gradients_needed)

@@ -164,6 +164,32 @@ def case_whole_gradients_kept_for_clipping(rank, world_size):
     commsched.release(model)
 
 
+def case_ranks_decide_alike(rank, world_size):
+    """Only rank 0 changes its gradients in place in warm-up (by one: no value changes): every
+    rank keeps all-reducing, since the collectives of the two ways differ, and training is exact."""
+    model, optimizer, reference, reference_optimizer = fresh_pair("adam")
+    model, optimizer = commsched.prepare(model, optimizer, dataclasses.replace(STRATEGIES["small_buckets"],
+                                                                               timeout_s=30))
+    for iteration, (x, y) in enumerate(batches(world_size, 6)):
+        F.mse_loss(model(x[rank_slice(rank)], use_aux=uses_aux(iteration, rank)), y[rank_slice(rank)]).backward()
+        if rank == 0 and iteration == 1:
+            optimizer.synchronize()
+            model.head.weight.grad.mul_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_backward(reference, x, y, iteration, world_size)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+    status = commsched.status(model)
+    assert not scattered_buckets(model)
+    if rank == 0:
+        assert status.reduce_scatter_off_reason == GRADIENTS_CHANGED_REASON
+    else:
+        assert "another rank's loop changed its gradients" in status.reduce_scatter_off_reason
+    commsched.release(model)
+
+
 def case_refusals_after_warmup(rank, world_size):
     """What needs the whole gradients, first done after warm-up, is refused on every rank, with the fix."""
     with pytest.raises(ValueError, match=r"needs that state sharded: use AllReduce\(shard_optimizer=True, "
@@ -327,6 +353,7 @@ def reduce_scatter_grid(rank: int, world_size: int) -> None:
                                                                    world_size)
     cases["check_finite"] = functools.partial(case_check_finite, rank, world_size)
     cases["bfloat16 on the wire"] = functools.partial(case_bfloat16_on_the_wire, rank, world_size)
+    cases["ranks decide alike"] = functools.partial(case_ranks_decide_alike, rank, world_size)
     cases["refusals after warm-up"] = functools.partial(case_refusals_after_warmup, rank, world_size)
     cases["join/adam/small_buckets"] = functools.partial(
         case_uneven_inputs_under_join, rank, world_size, "adam", STRATEGIES["small_buckets"], batch_counts,
