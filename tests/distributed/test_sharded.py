@@ -319,6 +319,23 @@ def case_with_first_bucket_sharded(case):
         case()
 
 
+@contextlib.contextmanager
+def gathered_by_all_to_all():
+    """Every bucket's updated chunks gathered by an all-to-all, at any world size (see [Note: small
+    all-gathers on gloo], which does so from 5 ranks on)."""
+    module = commsched.update.sharded
+    least, module.GATHER_BY_ALL_TO_ALL_MIN_RANKS = module.GATHER_BY_ALL_TO_ALL_MIN_RANKS, 1
+    try:
+        yield
+    finally:
+        module.GATHER_BY_ALL_TO_ALL_MIN_RANKS = least
+
+
+def case_gathered_by_all_to_all(case):
+    with gathered_by_all_to_all():
+        case()
+
+
 # ------------------------------------------------------------------ refusals
 def case_refusals(rank, world_size):
     """What cannot be sharded is refused at prepare(), before any collective, with the fix."""
@@ -444,6 +461,10 @@ def sharded_grid(rank: int, world_size: int) -> None:
         cases[f"single_process/{optimizer_name}/{GRID[world_size][-1]}/first_bucket_sharded"] = functools.partial(
             case_with_first_bucket_sharded, functools.partial(
                 case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
+    for optimizer_name in ("sgd_nesterov", "adam"):
+        cases[f"single_process/{optimizer_name}/{GRID[world_size][-1]}/gathered_by_all_to_all"] = functools.partial(
+            case_gathered_by_all_to_all, functools.partial(
+                case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
     cases["first_bucket_whole_when_small"] = functools.partial(case_first_bucket_whole_when_small, rank, world_size)
     cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
         case_matches_single_process, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
@@ -539,8 +560,9 @@ def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") 
     scattered = dataclasses.replace(strategy, backend=commsched.AllReduce(shard_optimizer=True, reduce_scatter=True))
     run_subtests({
         "random delays": functools.partial(random_delays, rank, world_size, device, strategy, iterations=24),
-        "random delays, reduce-scattered": functools.partial(random_delays, rank, world_size, device, scattered,
-                                                             iterations=24),
+        "random delays, reduce-scattered, gathered by all-to-all": functools.partial(
+            case_gathered_by_all_to_all, functools.partial(random_delays, rank, world_size, device, scattered,
+                                                           iterations=24)),
         "uneven inputs under Join": functools.partial(case_uneven_inputs_under_join, rank, world_size, "adam",
                                                       strategy, device=device),
     })
