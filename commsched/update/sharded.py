@@ -76,11 +76,6 @@ WHOLE_FIRST_BUCKET_BYTES = 2**20
 """The largest first bucket (in forward order) whose state every rank keeps whole; see
 [Note: the first bucket is not sharded]."""
 
-GATHER_BY_ALL_TO_ALL_BYTES = 2**20
-GATHER_BY_ALL_TO_ALL_MIN_RANKS = 5
-"""On gloo, buckets of at most these bytes are gathered by an all-to-all from this many ranks on;
-see [Note: small all-gathers on gloo]."""
-
 FullState = dict[torch.nn.Parameter, dict[str, Any]]
 """Per parameter, torch.optim's state for it (whole tensors)."""
 
@@ -133,8 +128,7 @@ class ShardedUpdate:
         self._state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         """Per fragment of a parameter (its view into the flat buffer), the optimizer's state."""
         self._updater: BucketUpdater | None = None
-        self._in_flight: dict[int, tuple[dist.Work, torch.Tensor | None]] = {}
-        """Per bucket, its all-gather, and the input it keeps alive (an all-to-all's copies)."""
+        self._in_flight: dict[int, dist.Work] = {}
         self._pending_load: str | os.PathLike | None = None
         """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
@@ -223,27 +217,11 @@ class ShardedUpdate:
         if shard.world_size == 1:
             return
         mine = flat[shard.start:shard.start + shard.chunk]
-        group = self._group()
-        if self._gathers_by_all_to_all(flat, group):
-            copies = mine.repeat(shard.world_size)
-            self._in_flight[bucket] = (dist.all_to_all_single(flat, copies, group=group, async_op=True), copies)
-        else:
-            self._in_flight[bucket] = (all_gather_single(flat, mine, group=group, async_op=True), None)
-
-    @staticmethod
-    def _gathers_by_all_to_all(flat: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """[Note: small all-gathers on gloo] gloo's all-gather is a ring of N-1 steps: at 8 emulated
-        hosts a 1 MiB bucket took 15-26 ms where its bytes need 7, at 16 hosts 39 ms. Sending
-        every rank this rank's chunk at once, with one ``all_to_all_single`` of N copies of it, took
-        7-11 and 20 ms; at 2 and 4 hosts the two took as long, and from 2 MiB on the ring was as
-        fast or faster (docs/benchmarks.md, "Reduce-scatter (ZeRO-2) on gloo: by an all-to-all")."""
-        return (flat.numel() * flat.element_size() <= GATHER_BY_ALL_TO_ALL_BYTES
-                and dist.get_world_size(group) >= GATHER_BY_ALL_TO_ALL_MIN_RANKS
-                and str(dist.get_backend(group)) == "gloo")
+        self._in_flight[bucket] = all_gather_single(flat, mine, group=self._group(), async_op=True)
 
     def wait_updated(self, bucket: int) -> None:
         """Every rank's updated chunk of ``bucket`` is in the parameters."""
-        work, _ = self._in_flight.pop(bucket, (None, None))
+        work = self._in_flight.pop(bucket, None)
         if work is not None:
             shard = self._shards[bucket]
             wait_or_raise(work, self._timeout_s,

@@ -91,6 +91,7 @@ def fresh_pair(optimizer_name: str, model_cls=ParityNet):
 
 
 def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none):
+    """Returns the prepared model (not released)."""
     model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
     model, optimizer = commsched.prepare(model, optimizer, strategy)
     for iteration, (x, y) in enumerate(batches(world_size)):
@@ -100,6 +101,7 @@ def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_
     assert_equal_on_all_ranks(model)
     if set_to_none:
         assert model.never_used.weight.grad is None
+    return model
 
 
 def case_no_sync_accumulation(rank, world_size, micro_steps=3, steps=2, strategy=None):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import logging
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from commsched.watch.guards import GRADIENTS_CHANGED_REASON
 from tests.distributed.test_allreduce_parity import (
     PARITY_OPTIMIZERS,
     batches,
+    case_matches_single_process,
     case_no_sync_accumulation,
     fresh_pair,
     local_step,
@@ -83,13 +83,7 @@ def assert_scattering(model) -> None:
 
 def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
     """Single-process parameters, with every bucket but the first reduce-scattered after warm-up."""
-    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
-    model, optimizer = commsched.prepare(model, optimizer, strategy)
-    for iteration, (x, y) in enumerate(batches(world_size)):
-        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
-        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
-    assert_same_parameters(model, reference)
-    assert_equal_on_all_ranks(model)
+    model = case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none)
     layout = model._commsched_reducer.layout
     assert scattered_buckets(model) == frozenset(range(len(layout.buckets))) - {layout.flags_bucket}
     scattered_bytes = sum(layout.buckets[b].nbytes for b in scattered_buckets(model))
@@ -288,32 +282,13 @@ def case_autotune(rank, world_size):
 
 def case_check_finite(rank, world_size):
     """``Strategy(check_finite="skip")``: an inf on one rank skips the step on every rank, in warm-up
-    and after it (the verdict rides with the first bucket, which is all-reduced); each rank names
-    only parameters whose average it holds."""
-    from tests.distributed.test_check_finite import INF_AT, ITERATIONS, Messages, loss_with_inf
+    and after it (the verdict rides with the first bucket, which is all-reduced). Each rank names
+    only parameters whose average it holds, so the names are not checked."""
+    from tests.distributed.test_check_finite import case_skipped_on_every_rank
 
-    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
-    model, optimizer = commsched.prepare(model, optimizer, dataclasses.replace(STRATEGIES["small_buckets"],
-                                                                               check_finite="skip"))
-    messages = Messages()
-    logging.getLogger("commsched").addHandler(messages)
-    try:
-        for iteration, (x, y) in enumerate(batches(world_size, ITERATIONS)):
-            loss_with_inf(model, x, y, iteration, rank).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if iteration in INF_AT:
-                reference_optimizer.zero_grad()  # one process skips the step
-            else:
-                reference_step(reference, reference_optimizer, x, y, iteration, world_size)
-        optimizer.synchronize()
-    finally:
-        logging.getLogger("commsched").removeHandler(messages)
-    assert_same_parameters(model, reference, rtol=1e-5, atol=1e-6)
-    assert_scattering(model)
-    skipped = [m for m in messages.messages if "gradients with inf or NaN on rank(s) 1" in m]
-    assert len(skipped) == len(INF_AT), messages.messages
-    commsched.release(model)
+    case_skipped_on_every_rank(rank, world_size, "adamw", dataclasses.replace(STRATEGIES["small_buckets"],
+                                                                              check_finite="skip"),
+                               names_checked=False, check_prepared=assert_scattering)
 
 
 def case_bfloat16_on_the_wire(rank, world_size):

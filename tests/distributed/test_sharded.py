@@ -12,12 +12,12 @@ torch DDP's.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import itertools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -303,36 +303,9 @@ def case_first_bucket_whole_when_small(rank, world_size):
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
-@contextlib.contextmanager
-def first_bucket_sharded():
-    """Every bucket sharded, the first one the forward pass needs included."""
-    module = commsched.update.sharded
-    limit, module.WHOLE_FIRST_BUCKET_BYTES = module.WHOLE_FIRST_BUCKET_BYTES, 0
-    try:
-        yield
-    finally:
-        module.WHOLE_FIRST_BUCKET_BYTES = limit
-
-
-def case_with_first_bucket_sharded(case):
-    with first_bucket_sharded():
-        case()
-
-
-@contextlib.contextmanager
-def gathered_by_all_to_all():
-    """Every bucket's updated chunks gathered by an all-to-all, at any world size (see [Note: small
-    all-gathers on gloo], which does so from 5 ranks on)."""
-    module = commsched.update.sharded
-    least, module.GATHER_BY_ALL_TO_ALL_MIN_RANKS = module.GATHER_BY_ALL_TO_ALL_MIN_RANKS, 1
-    try:
-        yield
-    finally:
-        module.GATHER_BY_ALL_TO_ALL_MIN_RANKS = least
-
-
-def case_gathered_by_all_to_all(case):
-    with gathered_by_all_to_all():
+def case_with_first_bucket_sharded(case) -> None:
+    """``case()`` with every bucket sharded, the first one the forward pass needs included."""
+    with mock.patch.object(commsched.update.sharded, "WHOLE_FIRST_BUCKET_BYTES", 0):
         case()
 
 
@@ -461,10 +434,6 @@ def sharded_grid(rank: int, world_size: int) -> None:
         cases[f"single_process/{optimizer_name}/{GRID[world_size][-1]}/first_bucket_sharded"] = functools.partial(
             case_with_first_bucket_sharded, functools.partial(
                 case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
-    for optimizer_name in ("sgd_nesterov", "adam"):
-        cases[f"single_process/{optimizer_name}/{GRID[world_size][-1]}/gathered_by_all_to_all"] = functools.partial(
-            case_gathered_by_all_to_all, functools.partial(
-                case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
     cases["first_bucket_whole_when_small"] = functools.partial(case_first_bucket_whole_when_small, rank, world_size)
     cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
         case_matches_single_process, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
@@ -560,9 +529,8 @@ def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") 
     scattered = dataclasses.replace(strategy, backend=commsched.AllReduce(shard_optimizer=True, reduce_scatter=True))
     run_subtests({
         "random delays": functools.partial(random_delays, rank, world_size, device, strategy, iterations=24),
-        "random delays, reduce-scattered, gathered by all-to-all": functools.partial(
-            case_gathered_by_all_to_all, functools.partial(random_delays, rank, world_size, device, scattered,
-                                                           iterations=24)),
+        "random delays, reduce-scattered": functools.partial(random_delays, rank, world_size, device, scattered,
+                                                             iterations=24),
         "uneven inputs under Join": functools.partial(case_uneven_inputs_under_join, rank, world_size, "adam",
                                                       strategy, device=device),
     })
