@@ -415,10 +415,11 @@ class Strategy:
     @property
     def measures_its_choice(self) -> bool:
         """Whether a run measures the cost model's choice against the configured buckets sent whole
-        after warm-up (see ``adaptive``): not with the auto-tuner, which measures anyway, nor with
-        sharded optimizer state, where each change of buckets gathers the whole state on every rank
-        for a moment, as much memory as sharding saves."""
-        return self.cost_model_picks_partitioning and not self.autotune and not self.shards_optimizer
+        after warm-up (see ``adaptive``): not with the auto-tuner, which measures anyway. With sharded
+        optimizer state too: each change of buckets reshards the state one bucket at a time (see
+        [Note: resharding one bucket at a time] in `commsched.update.sharded`), and the cost model,
+        which knows nothing of the all-gathers, needs the check more there."""
+        return self.cost_model_picks_partitioning and not self.autotune
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
