@@ -273,8 +273,12 @@ def _end_as_a_script_ends(crash_log: str) -> None:
     have met the finalization. Threads that Python did not start are not counted: autograd's
     CUDA device threads, for one, show as ``threading._DummyThread`` once a hook run there asks
     for the current thread (a log record does), and they wait in C++ for the next backward,
-    not in the interpreter."""
+    not in the interpreter. Nor are the idle workers of a ``concurrent.futures`` thread pool
+    (torch's own prefetch of its cache key keeps one): a script's end shuts those pools down
+    before finalization (``threading._register_atexit``), so the rank does that too."""
     atexit._run_exitfuncs()
+    for shut_down_pools in reversed(getattr(threading, "_threading_atexits", [])):
+        shut_down_pools()
     running = [thread.name for thread in threading.enumerate()
                if thread is not threading.main_thread() and thread.is_alive()
                and not isinstance(thread, threading._DummyThread)]

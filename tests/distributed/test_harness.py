@@ -79,6 +79,22 @@ def rank1_has_a_thread_python_did_not_start(rank: int, world_size: int) -> str:
     return "done"
 
 
+KEPT_POOLS: list = []
+"""Thread pools a rank keeps for good, as torch keeps the one that prefetches its cache key."""
+
+
+def rank1_keeps_a_thread_pool(rank: int, world_size: int) -> str:
+    """Its idle workers are alive at exit, as at a script's end, which shuts the pool down itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if rank == 1:
+        pool = ThreadPoolExecutor(max_workers=2)
+        KEPT_POOLS.append(pool)
+        assert [f.result() for f in [pool.submit(int, "1"), pool.submit(int, "2")]] == [1, 2]
+        assert sum(thread.name.startswith("ThreadPoolExecutor") for thread in threading.enumerate()) >= 1
+    return "done"
+
+
 def watch_left_by_a_case(rank: int, world_size: int) -> tuple[int, int]:
     """A case that drops its model within warm-up leaves its read watch on the stack; the next
     case starts without it."""
@@ -170,6 +186,11 @@ def test_a_rank_that_leaves_a_thread_running_at_exit_is_reported():
     with pytest.raises(RanksFailed, match=r"(?s)rank 1 -----\nreported success, then left threads running at "
                                           r"exit.*threads still running after the exit handlers: left behind"):
         run_ranks(rank1_leaves_a_thread_running, 2, timeout_s=60)
+
+
+def test_the_idle_workers_of_a_thread_pool_kept_to_the_end_are_not_reported_at_exit():
+    """[Note: ranks end as a script ends]: a script's end shuts thread pools down before finalization."""
+    assert run_ranks(rank1_keeps_a_thread_pool, 2, timeout_s=60) == ["done", "done"]
 
 
 def test_a_thread_python_did_not_start_is_not_reported_at_exit():
