@@ -40,23 +40,24 @@ class _WorkHandle:
         """A reduce-scatter: it keeps its buffers while the work runs, and finishes it."""
 
     def wait(self, timeout_s: float) -> None:
-        bucket, partition, transport = self._bucket, self._partition, self._transport
-        scattered = self._scatter is not None
         try:
-            wait_or_raise(
-                self._work, timeout_s,
-                f"the {'reduce-scatter' if scattered else 'all-reduce'} of gradient bucket {bucket.index} "
-                f"({'of every chunk, ' if scattered else ''}elements {partition.start}:{partition.end} "
-                f"of {bucket.wire.numel() // transport.world_size if scattered else bucket.wire.numel()}, "
-                f"{bucket.wire_nbytes} bytes in all)",
-            )
+            wait_or_raise(self._work, timeout_s, self._what())
         except CommunicationTimeout as error:
-            transport.explain_failure(error)
+            self._transport.explain_failure(error)
             raise
-        if scattered:
-            self._scatter.finish()
+        if self._scatter is None:
+            copy_back(self._bucket, self._partition.start, self._partition.end)
         else:
-            copy_back(bucket, partition.start, partition.end)
+            self._scatter.finish()
+
+    def _what(self) -> str:
+        """The operation, as a timeout names it."""
+        bucket, partition = self._bucket, self._partition
+        if self._scatter is None:
+            return (f"the all-reduce of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
+                    f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
+        return (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
+                f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

@@ -365,8 +365,10 @@ class BackwardPass:
         """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients),
         where it holds the average on this rank."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in self._averaged_gradients():
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for slot, param in enumerate(self._layout.params):
+            grad = None if param.grad is None else self._averaged_part(slot, param.grad)
+            if grad is not None:
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in groups.items():  # the kernel takes one device and dtype at a time
             found = torch.zeros(1, device=device)
             flag_nonfinite(grads, found, torch.ones(1, device=device))
@@ -380,8 +382,8 @@ class BackwardPass:
         for bucket in range(len(layout.buckets)):
             if not self._reduced[bucket]:
                 self._wait_reduced(bucket)
-        return [layout.names[slot] for slot, grad in self._averaged_gradients(with_slots=True)
-                if not torch.isfinite(grad).all()]
+        return [layout.names[slot] for slot, view in enumerate(layout.views)
+                if (part := self._averaged_part(slot, view)) is not None and not torch.isfinite(part).all()]
 
     def gradients_left_scattered(self) -> bool:
         """Whether this pass's reduce-scattered gradients are still ``param.grad``, not cleared since
@@ -403,26 +405,19 @@ class BackwardPass:
                 probes.append(bucket.flat[element])
         return bool(probes) and bool(torch.stack(probes).isnan().any())
 
-    def _averaged_gradients(self, with_slots: bool = False) -> list:
-        """Each ``param.grad`` (None skipped; ``with_slots``: each bucket view instead, with its
-        slot), or only the part of it that holds the average on this rank where buckets are
-        reduce-scattered (see [Note: reduce-scattered buckets])."""
-        layout, found = self._layout, []
-        for slot, param in enumerate(layout.params):
-            grad = layout.views[slot] if with_slots else param.grad
-            if grad is None:
-                continue
-            if grad is layout.views[slot] and self._transport.scattering:
-                index = layout.bucket_of[slot]
-                bucket = layout.buckets[index]
-                offset = bucket.offsets[layout.bucket_slots[index].index(slot)]
-                low, high = self._transport.averaged_range(bucket)
-                low, high = max(low, offset), min(high, offset + param.numel())
-                if low >= high:
-                    continue
-                grad = bucket.flat[low:high]
-            found.append((slot, grad) if with_slots else grad)
-        return found
+    def _averaged_part(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad``, slot ``slot``'s gradient; where it is the view into a reduce-scattered bucket, only
+        the part of it that holds the average on this rank, None if none does (see [Note:
+        reduce-scattered buckets])."""
+        layout = self._layout
+        if grad is not layout.views[slot] or not self._transport.scattering:
+            return grad
+        index = layout.bucket_of[slot]
+        bucket = layout.buckets[index]
+        offset = bucket.offsets[layout.bucket_slots[index].index(slot)]
+        low, high = self._transport.averaged_range(bucket)
+        low, high = max(low, offset), min(high, offset + grad.numel())
+        return bucket.flat[low:high] if low < high else None
 
     def report_nonfinite(self, block: bool) -> None:
         """With `Strategy.check_finite`: raise or warn if some rank's gradients held inf or NaN.
