@@ -28,7 +28,8 @@ from commsched.comm.agreement import (
     verify_setup_across_ranks,
 )
 from commsched.comm.allreduce import AllReduceTransport
-from commsched.comm.side_groups import control_group_for, parameter_group_for, side_group_for
+from commsched.comm.side_groups import control_group_for, exchange_group_for, parameter_group_for, side_group_for
+from commsched.comm.two_step import two_steps_possible
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
@@ -127,8 +128,12 @@ def _prepare(
         else:
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                                  overlap_forward=strategy.overlap_forward)
+        all_to_all_mb = strategy.backend.all_to_all_mb
+        if all_to_all_mb and two_steps_possible(group, _gradient_device(model)):
+            groups.exchange = exchange_group_for(group)
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype,
-                                       reduce_scatter=strategy.reduce_scatters)
+                                       reduce_scatter=strategy.reduce_scatters, exchange_group=groups.exchange,
+                                       all_to_all_mb=all_to_all_mb)
         try:
             reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
         except BaseException:
@@ -148,6 +153,11 @@ def _prepare(
         adopter = functools.partial(_adopt_optimizer, model, strategy=strategy)
     watch_foreign_optimizers(model, optimizer, reducer, adopter)
     return model, optimizer
+
+
+def _gradient_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's gradients live (the first trainable parameter's device)."""
+    return next((p.device for p in model.parameters() if p.requires_grad), torch.device("cpu"))
 
 
 def _adopt_optimizer(

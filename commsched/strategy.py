@@ -75,17 +75,38 @@ class AllReduce:
     gradients before ``step()`` (clipping) or use a ``GradScaler`` need them whole: when
     warm-up sees one, gradients stay all-reduced; see README's "Sharded optimizer state"."""
 
+    all_to_all_mb: float | str | None = "auto"
+    """On gloo among 3 or more ranks, partitions of at most this many MiB are all-reduced in
+    two all-to-alls rather than by gloo's ring, whose 2(N-1) steps in a row make small
+    collectives slow among many hosts (see [Note: an all-reduce in two steps] in
+    `commsched.comm.two_step`). ``"auto"`` times both at the end of warm-up and takes the
+    size up to which two steps are faster (with ``priority=True``, which warm-up profiles
+    for; otherwise gloo's ring throughout); a number fixes that size; None or 0 keeps the
+    ring. Other backends keep their own all-reduce."""
+
     def __repr__(self) -> str:
         """Only what differs from the default, as it would be written."""
+        fields = []
+        if self.shard_optimizer:
+            fields.append("shard_optimizer=True")
         if self.reduce_scatter:
-            return "AllReduce(shard_optimizer=True, reduce_scatter=True)"
-        return "AllReduce(shard_optimizer=True)" if self.shard_optimizer else "AllReduce()"
+            fields.append("reduce_scatter=True")
+        if self.all_to_all_mb != "auto":
+            fields.append(f"all_to_all_mb={self.all_to_all_mb!r}")
+        return f"AllReduce({', '.join(fields)})"
 
     def __post_init__(self) -> None:
         for name in ("shard_optimizer", "reduce_scatter"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"AllReduce.{name} must be True or False, got {value!r} ({type(value).__name__})")
+        size = self.all_to_all_mb
+        if not (size is None or size == "auto" or (isinstance(size, int | float) and not isinstance(size, bool)
+                                                   and 0 <= size <= MAX_SIZE_MB)):
+            raise ValueError(
+                f"AllReduce.all_to_all_mb must be \"auto\", None, or a size in MiB from 0 to {MAX_SIZE_MB}, got "
+                f"{size!r} ({type(size).__name__})"
+            )
         if self.reduce_scatter and not self.shard_optimizer:
             raise ValueError(
                 "AllReduce(reduce_scatter=True) hands each rank only the chunk of the gradients whose optimizer "

@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.comm import reduce_scatter
+from commsched.comm import reduce_scatter, two_step
 from commsched.comm.heartbeat import Heartbeat
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet
 from commsched.layout.partitions import Partition, make_partitions
+from commsched.strategy import MIB
 
 logger = logging.getLogger("commsched")
 
@@ -54,8 +55,7 @@ class _WorkHandle:
         """The operation, as a timeout names it."""
         bucket, partition = self._bucket, self._partition
         if self._scatter is None:
-            return (f"the all-reduce of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
-                    f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
+            return _all_reduce_what(bucket, partition)
         return (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
                 f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
 
@@ -64,6 +64,36 @@ class _WorkHandle:
 
     def on_complete(self, callback: Callable[[], None]) -> None:
         self._work.get_future().add_done_callback(lambda future: callback())
+
+
+def _all_reduce_what(bucket: Bucket, partition: Partition) -> str:
+    return (f"the all-reduce of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
+            f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
+
+
+class _TwoStepHandle:
+    """A partition all-reduced in two steps; copied back to the gradients once waited for."""
+
+    __slots__ = ("_reduction", "_bucket", "_partition", "_transport")
+
+    def __init__(self, reduction: two_step.TwoStepAllReduce, bucket: Bucket, partition: Partition,
+                 transport: AllReduceTransport):
+        self._reduction, self._bucket, self._partition = reduction, bucket, partition
+        self._transport = transport
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._reduction.wait(timeout_s)
+        except CommunicationTimeout as error:
+            self._transport.explain_failure(error)
+            raise
+        copy_back(self._bucket, self._partition.start, self._partition.end)
+
+    def is_completed(self) -> bool:
+        return self._reduction.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._reduction.on_complete(callback)
 
 
 class AllReduceTransport:
@@ -76,9 +106,12 @@ class AllReduceTransport:
     join_refusal = None
 
     def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
-                 reduce_scatter: bool = False):
+                 reduce_scatter: bool = False, exchange_group: dist.ProcessGroup | None = None,
+                 all_to_all_mb: float | str | None = None):
         """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
-        `commsched.AllReduce.reduce_scatter` (from `start_scattering` on)."""
+        `commsched.AllReduce.reduce_scatter` (from `start_scattering` on); ``exchange_group``: where
+        the second steps of two-step all-reduces go, for `commsched.AllReduce.all_to_all_mb`
+        (None: never in two steps; see `uses_two_steps`)."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
@@ -92,6 +125,14 @@ class AllReduceTransport:
         self.scattered: frozenset[int] = frozenset()
         """The buckets of the current layout that are reduce-scattered."""
         self._backend_name = str(dist.get_backend(process_group))
+        self.two_steps: two_step.TwoStepChoice | None = None
+        """Set where partitions may go in two steps (see [Note: an all-reduce in two steps])."""
+        self.two_step_max_bytes = 0
+        """Partitions of at most this many bytes go in two steps, now (0: none)."""
+        if exchange_group is not None and all_to_all_mb:
+            fixed = None if all_to_all_mb == "auto" else int(float(all_to_all_mb) * MIB)
+            self.two_steps = two_step.TwoStepChoice(two_step.SecondSteps.of_group(exchange_group), fixed)
+            self.two_step_max_bytes = fixed or 0  # "auto": the ring until the link is measured
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
@@ -120,6 +161,11 @@ class AllReduceTransport:
             return reduce_scatter.averaged_range(bucket, self.rank, self.world_size)
         return 0, bucket.grad_numel
 
+    def use_two_steps(self, max_bytes: int) -> None:
+        """From now on, all-reduce partitions of at most ``max_bytes`` in two steps (the same on every rank)."""
+        if self.two_steps is not None:
+            self.two_step_max_bytes = max_bytes
+
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size > 1:
             average_onto_wire(bucket, self.world_size)
@@ -135,7 +181,12 @@ class AllReduceTransport:
             scatter = reduce_scatter.Scatter(bucket, partition, self.rank, self.world_size, self.process_group,
                                              by_all_to_all=self._backend_name == "gloo")
             return _WorkHandle(scatter.work, bucket, partition, self, scatter)
-        work = dist.all_reduce(bucket.wire[partition.start:partition.end], group=self.process_group, async_op=True)
+        wire = bucket.wire[partition.start:partition.end]
+        if self.two_steps is not None and partition.nbytes <= self.two_step_max_bytes:
+            reduction = two_step.TwoStepAllReduce(wire, self.process_group, self.two_steps.second_steps,
+                                                  _all_reduce_what(bucket, partition))
+            return _TwoStepHandle(reduction, bucket, partition, self)
+        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
         return _WorkHandle(work, bucket, partition, self)
 
     def explain_failure(self, error: CommunicationTimeout) -> None:
@@ -151,7 +202,10 @@ class AllReduceTransport:
         summed = self.reduce_dtype is not None and not self.is_local
         reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
         scattered = ", reduce-scatter of every bucket but the first" if self.scattering else ""
-        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered})")
+        two_steps = ""
+        if self.two_step_max_bytes:
+            two_steps = f", partitions up to {_mib(self.two_step_max_bytes)} in two all-to-alls"
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{two_steps})")
 
     def finish(self) -> None:
         if self._heartbeat is not None:
@@ -159,3 +213,9 @@ class AllReduceTransport:
 
     def forget_process_groups(self) -> None:
         self.process_group = None  # type: ignore[assignment]
+        self.two_steps = None
+        self.two_step_max_bytes = 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.3g} MiB"

@@ -116,15 +116,34 @@ def parameter_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A group of its own over ``group``'s ranks, with its backend, for the all-gathers of updated
     parameters (`commsched.update.sharded`), made at the first call as side groups are (see
     [Note: side groups]); collective when made."""
-    if group not in _PARAMETER_GROUPS:
+    return _own_group(_PARAMETER_GROUPS, group)
+
+
+_EXCHANGE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+"""The second steps of two-step all-reduces, by user group: they are issued from completions, in an
+order of their own (see [Note: an all-reduce in two steps] in `commsched.comm.two_step`). One per
+user group, shared by the models prepared on it, as `_PARAMETER_GROUPS` is: their second steps
+are issued by one another's completions, but each model's plan issues its first steps from the
+training thread, in program order, and the second steps follow them in that order."""
+atexit.register(_EXCHANGE_GROUPS.clear)
+
+
+def exchange_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group of its own over ``group``'s ranks, with its backend, for the second steps of
+    two-step all-reduces, made at the first call as side groups are; collective when made."""
+    return _own_group(_EXCHANGE_GROUPS, group)
+
+
+def _own_group(cache: weakref.WeakKeyDictionary, group: dist.ProcessGroup) -> dist.ProcessGroup:
+    if group not in cache:
         backend = str(dist.get_backend(group))
         if dist.get_world_size(group) == dist.get_world_size():
-            _PARAMETER_GROUPS[group] = dist.new_group(backend=backend)
+            cache[group] = dist.new_group(backend=backend)
         else:
-            _PARAMETER_GROUPS[group] = dist.new_group(
+            cache[group] = dist.new_group(
                 dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True
             )
-    return _PARAMETER_GROUPS[group]
+    return cache[group]
 
 
 def side_group_backend(backend: str) -> str:
@@ -142,7 +161,7 @@ def forget_destroyed() -> None:
     Called when a model lets go of its groups: torch keeps a destroyed group's object alive,
     so the weak key alone would keep its side group, and the side group's threads, running.
     """
-    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS):
+    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS, _EXCHANGE_GROUPS):
         for user_group in list(cache):
             try:
                 dist.get_process_group_ranks(user_group)
@@ -153,7 +172,7 @@ def forget_destroyed() -> None:
 def forget_side_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
     """After a failure: later ``prepare()`` calls make new side groups instead of using ``groups``."""
     dropped = {id(group) for group in groups if group is not None}
-    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS):
+    for cache in (_SIDE_GROUPS, _PARAMETER_GROUPS, _EXCHANGE_GROUPS):
         for user_group, side in list(cache.items()):
             if id(side) in dropped:
                 del cache[user_group]

@@ -41,6 +41,11 @@ class ProcessGroups:
     (shared by the models sharded on one user group), since they start at the forward pass's
     gates (see [Note: sharded optimizer state] in `commsched.update.sharded`)."""
 
+    exchange: dist.ProcessGroup | None = None
+    """Where all-reduces may go in two steps (gloo, 3 or more ranks), their second steps: a group of
+    their own, shared by the models prepared on one user group (see [Note: an all-reduce in two
+    steps] in `commsched.comm.two_step`)."""
+
     owned: tuple[dist.ProcessGroup, ...] = ()
     """Groups made for this model alone (a parameter-server job's), destroyed when it lets go of
     them (see [Note: groups a model made for itself])."""
@@ -51,4 +56,4 @@ class ProcessGroups:
         self.owned = ()
 
     def forget(self) -> None:
-        self.replicas = self.buffers = self.control = self.parameters = None
+        self.replicas = self.buffers = self.control = self.parameters = self.exchange = None

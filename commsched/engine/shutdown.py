@@ -61,8 +61,9 @@ class Shutdown:
             tracker.abandon()
             abandon_process_groups([groups.replicas], abort=False)  # the caller's, or the job's default group
             # commsched's own, when it has them:
-            abandon_process_groups([groups.buffers, groups.control, groups.parameters], abort=True)
-            forget_side_groups([groups.buffers, groups.control, groups.parameters])
+            own = [groups.buffers, groups.control, groups.parameters, groups.exchange]
+            abandon_process_groups(own, abort=True)
+            forget_side_groups(own)
         self._transport.finish()
         tracker.drain()
         last = self._last_pass()

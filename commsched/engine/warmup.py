@@ -139,8 +139,16 @@ class Warmup:
         if self._profile is None or finished.iteration != WARMUP_ITERATIONS - 1:
             return
         with failures_explained(self._transport):
-            self._calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s,
-                                          self._config.adaptive)
+            self._calibration = self._calibrate(layout)
+
+    def _calibrate(self, layout: GradLayout) -> Calibration:
+        """Time the link (collective); where partitions may go in two steps, from now on they do
+        up to the size its measurement says they are faster (see [Note: an all-reduce in two steps])."""
+        calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s, self._config.adaptive,
+                                self._transport.two_steps)
+        if calibration.link is not None and calibration.link.two_step is not None:
+            self._transport.use_two_steps(calibration.link.two_step_max_bytes)
+        return calibration
 
     def finish(self, layout: GradLayout) -> WarmupResult:
         """At the first pass after warm-up: the cost model's choice (collective where it runs)."""
@@ -149,8 +157,7 @@ class Warmup:
         if profile is None:
             return WarmupResult(None, None, None, self.reads)
         with failures_explained(self._transport):
-            calibration = self._calibration or calibrate(layout, self._groups.replicas, config.timeout_s,
-                                                         config.adaptive)
+            calibration = self._calibration or self._calibrate(layout)
             self._calibration = None
             timeline = profile.timeline(calibration.latency_s)
             choice = cost_timeline = None

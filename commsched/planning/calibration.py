@@ -6,6 +6,7 @@ profiled backward pass, where memory is lowest.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from commsched.comm.two_step import SecondSteps, TwoStepAllReduce, TwoStepChoice
 from commsched.errors import wait_or_raise
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.schedule import LinkModel
@@ -32,12 +34,16 @@ LATENCY_REPEATS = 10
 
 
 def _timed_all_reduce(
-    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str
+    buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str,
+    second_steps: SecondSteps | None = None,
 ) -> tuple[float, float]:
-    """Wall time of one all-reduce of ``buffer``, and the CPU time of this process
-    (every thread) per second of it. Collective."""
+    """Wall time of one all-reduce of ``buffer`` (in two steps with ``second_steps``), and the CPU
+    time of this process (every thread) per second of it. Collective."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
+    if second_steps is None:
+        wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
+    else:
+        TwoStepAllReduce(buffer, group, second_steps, what).wait(timeout_s)
     wall = time.perf_counter() - start
     return wall, (time.process_time() - cpu_start) / max(wall, 1e-9)
 
@@ -59,8 +65,9 @@ def measure_latency(
 
 
 def measure_link(
-    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
-) -> tuple[LinkModel, float]:
+    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float,
+    second_steps: SecondSteps | None = None,
+) -> tuple[LinkModel, float, LinkModel | None, int]:
     """An all-reduce's cost as ``a + n / b`` at two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
 
@@ -71,16 +78,37 @@ def measure_link(
     `Timeline.transport_cpu_share`). The sizes take turns, after one untimed
     all-reduce each (the first of a size sets up the transport's buffers), so
     that a slow spell of the host slows both alike; see `link_from_samples`.
+
+    With ``second_steps``, the same sizes are also all-reduced in two steps, in
+    turn with the others, and that line is returned too (else None), with the
+    largest size measured.
     """
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     sizes = (large // 8 // 4 * 4, large)
     buffers = [torch.zeros(size // 4, device=device) for size in sizes]
     what = "the link measurement before choosing the partitioning"
-    for buffer in buffers:
-        _timed_all_reduce(buffer, group, timeout_s, what)
-    samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
+    ways = [None] if second_steps is None else [None, second_steps]
+    for way in ways:
+        for buffer in buffers:
+            _timed_all_reduce(buffer, group, timeout_s, what, way)
+    samples = [[[_timed_all_reduce(buffer, group, timeout_s, what, way) for buffer in buffers] for way in ways]
                for _ in range(CALIBRATION_REPEATS)]
-    return link_from_samples(sizes, samples, latency_s)
+    link, cpu_share = link_from_samples(sizes, [row[0] for row in samples], latency_s)
+    if second_steps is None:
+        return link, cpu_share, None, large
+    return link, cpu_share, link_from_samples(sizes, [row[1] for row in samples], latency_s)[0], large
+
+
+def two_step_max_bytes(ring: LinkModel, two_step: LinkModel, largest_measured: int) -> int:
+    """The largest all-reduce that the two-step line says is faster than the ring's, never beyond
+    ``largest_measured`` (a line says nothing beyond its samples): 0 where two steps cost more
+    even at zero bytes."""
+    if two_step.latency_s >= ring.latency_s:
+        return 0
+    extra_per_byte = 1 / two_step.bytes_per_s - 1 / ring.bytes_per_s
+    if extra_per_byte <= 0:
+        return largest_measured
+    return min(largest_measured, int((ring.latency_s - two_step.latency_s) / extra_per_byte))
 
 
 def link_from_samples(
@@ -116,17 +144,34 @@ class Calibration:
     """See `Timeline.transport_cpu_share`."""
 
 
-def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool) -> Calibration:
+def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool,
+              two_steps: TwoStepChoice | None = None) -> Calibration:
     """Time the link on ``group`` with tensors on the gradients' device. Collective.
 
     Runs where memory is lowest, at the end of warm-up's last profiled backward
     pass: every reduction is complete and the activations are freed. Its
     all-reduces of up to `CALIBRATION_BYTES` would otherwise add to the peak
     of a backward pass, with every activation alive.
+
+    With ``two_steps`` (a transport that can all-reduce in two steps), the link
+    is timed both ways, and the returned link says up to which size two steps
+    go: rank 0's measurement, the same on every rank, since the collectives of
+    the two ways differ.
     """
     device = layout.buckets[0].flat.device
     latency_s = measure_latency(group, device, timeout_s)
-    if not with_link:
+    if not (with_link or two_steps is not None):
         return Calibration(latency_s)
-    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s)
+    nbytes = sum(b.nbytes for b in layout.buckets)
+    second_steps = None if two_steps is None else two_steps.second_steps
+    link, cpu_share, two_step, largest = measure_link(group, device, nbytes, latency_s, timeout_s, second_steps)
+    if two_step is not None:
+        max_bytes = two_steps.max_bytes
+        if max_bytes is None:
+            max_bytes = two_step_max_bytes(link, two_step, largest)
+        message = torch.tensor([two_step.latency_s, two_step.bytes_per_s, float(max_bytes)], dtype=torch.float64)
+        wait_or_raise(dist.broadcast(message, group=group, group_src=0, async_op=True), timeout_s,
+                      "the broadcast of rank 0's measurement of the two-step all-reduce")
+        two_step = LinkModel(latency_s=float(message[0]), bytes_per_s=float(message[1]))
+        link = dataclasses.replace(link, two_step=two_step, two_step_max_bytes=int(message[2]))
     return Calibration(latency_s, link, cpu_share)

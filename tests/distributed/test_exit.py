@@ -205,6 +205,8 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.L
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 if backend == "ps":
     strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=1), timeout_s=3.0)
+elif backend == "two_step":  # every partition all-reduced in two all-to-alls
+    strategy = commsched.Strategy(backend=commsched.AllReduce(all_to_all_mb=1024), timeout_s=3.0)
 else:
     strategy = commsched.Strategy(timeout_s=3.0)
 model, optimizer = commsched.prepare(model, optimizer, strategy)
@@ -320,6 +322,13 @@ def test_survivors_of_a_killed_peer_exit_promptly():
     """Rank 1 is killed: one neighbour sees its socket close, the other waits for the timeout; both
     name it; the script catches the error, destroys the process group and exits."""
     results = survivors_after_a_failure(1, signal.SIGKILL, KILL_AT, "allreduce", "destroy")
+    _check_prompt_exits(results, 3, "Rank 1 stopped responding")
+
+
+def test_survivors_of_a_peer_killed_amid_two_step_all_reduces_exit_promptly():
+    """As above, with every partition all-reduced in two steps: a second step issued from a
+    completion, on its own group, must not keep a survivor from its error or its exit."""
+    results = survivors_after_a_failure(1, signal.SIGKILL, KILL_AT, "two_step", "destroy")
     _check_prompt_exits(results, 3, "Rank 1 stopped responding")
 
 

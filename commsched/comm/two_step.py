@@ -1,0 +1,173 @@
+"""An all-reduce in two all-to-alls, for many hosts on gloo.
+
+[Note: an all-reduce in two steps] gloo's all-reduce is a ring: 2(N-1) steps
+in a row, each paying the link's latency and the host's work. Among 8 or 16
+hosts that fixed cost is most of what a partition of a megabyte or less takes
+(`benchmarks/collectives.py`: at 16 hosts 65 ms for 0.25 MiB). The same sum
+goes in two steps instead:
+
+1. each rank sends piece ``r`` of the partition to rank ``r`` (one
+   ``all_to_all_single``, every link at once) and sums what it receives, in
+   rank order: it now holds piece ``r`` of the sum;
+2. each rank sends its summed piece to every rank (a second
+   ``all_to_all_single``), into the partition itself.
+
+Each rank sends the bytes a ring sends, in two steps rather than 2(N-1). Every
+rank ends with the same bits: each piece is summed once, by its owner.
+
+The second step can start only once the first is done, so it is issued from the
+first's completion, on a communication thread. Collectives are matched by issue
+order, and completions come in a different order on different ranks: the second
+steps go on a group of their own (`commsched.comm.side_groups.exchange_group_for`),
+always in the order the first steps were issued (`SecondSteps`), which is the
+plan's, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import communication_timeout, wait_or_raise
+
+
+@dataclass(frozen=True)
+class TwoStepChoice:
+    """A transport that can all-reduce in two steps: where the second steps go, and the size up to
+    which it uses them (None: up to where the link's measurement says they are faster)."""
+
+    second_steps: SecondSteps
+    max_bytes: int | None
+
+
+def two_steps_possible(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether gradients on ``device`` may be all-reduced in two steps on ``group``: gloo's ring,
+    among 3 or more ranks (among 2, a ring takes two steps anyway), with tensors in host memory."""
+    return (str(dist.get_backend(group)) == "gloo" and dist.get_world_size(group) >= 3
+            and torch.device(device).type == "cpu")
+
+
+def piece_sizes(numel: int, world_size: int) -> list[int]:
+    """The sizes of the ``world_size`` pieces of ``numel`` elements, the first ones one larger."""
+    base, extra = divmod(numel, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+class SecondSteps:
+    """Issues the second steps of two-step all-reduces on their own group, in first-step order.
+
+    One per group (`of_group`): models prepared on one user group share its exchange group, and
+    their first steps are issued in program order, each backward pass's by its end (see [Note:
+    everything goes by the end of backward] in `commsched.engine.dispatch`), so one queue keeps
+    every rank's second steps in the same order.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self._group = weakref.ref(group)  # the queue goes with its group (`of_group`)
+        self._lock = threading.Lock()
+        self._waiting: deque[TwoStepAllReduce] = deque()
+
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup) -> SecondSteps:
+        """The queue of ``group`` (an exchange group), made at the first call."""
+        with _QUEUES_LOCK:
+            if group not in _QUEUES:
+                _QUEUES[group] = cls(group)
+            return _QUEUES[group]
+
+    def enqueue(self, reduction: TwoStepAllReduce) -> None:
+        """``reduction``'s first step was just issued: its second goes after every earlier one's."""
+        with self._lock:
+            self._waiting.append(reduction)
+
+    def first_step_done(self) -> None:
+        """Issue the second step of every reduction at the head whose first step is done."""
+        with self._lock:
+            while self._waiting and self._waiting[0].summed:
+                self._waiting.popleft().issue_second_step(self._group())
+
+
+_QUEUES: weakref.WeakKeyDictionary[dist.ProcessGroup, SecondSteps] = weakref.WeakKeyDictionary()
+_QUEUES_LOCK = threading.Lock()
+atexit.register(_QUEUES.clear)
+
+
+class TwoStepAllReduce:
+    """The sum of ``tensor`` over ``group``, in place, in two all-to-alls (see [Note: an all-reduce
+    in two steps]). ``wait`` and ``is_completed`` cover both steps."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, second_steps: SecondSteps, what: str):
+        self._tensor, self._what = tensor, what
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self._sizes = piece_sizes(tensor.numel(), world_size)
+        self._mine = self._sizes[rank]
+        self._received = torch.empty(self._mine * world_size, dtype=tensor.dtype, device=tensor.device)
+        self._send: torch.Tensor | None = None
+        self._second: dist.Work | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._issued = threading.Event()
+        """Set once the second step is issued, or once the first failed (then ``_failure`` says how)."""
+        self._failure: BaseException | None = None
+        self.summed = False
+        """True once this rank's piece of the sum is ready to send."""
+        self._second_steps = second_steps
+        self._first = dist.all_to_all_single(self._received, tensor, [self._mine] * world_size, self._sizes,
+                                             group=group, async_op=True)
+        second_steps.enqueue(self)
+        self._first.get_future().add_done_callback(self._first_step_done)
+
+    def _first_step_done(self, future: torch.futures.Future) -> None:
+        """On a communication thread: sum this rank's piece, then let the second steps go in order."""
+        try:
+            future.value()
+            world_size = len(self._sizes)
+            summed = torch.sum(self._received.view(world_size, self._mine), dim=0)
+            self._send = summed.repeat(world_size)
+            self._received = None  # type: ignore[assignment]
+            self.summed = True
+            self._second_steps.first_step_done()
+        except BaseException as error:  # noqa: BLE001 - surfaced by wait() on the training thread
+            self._failure = error
+            self._issued.set()
+
+    def issue_second_step(self, group: dist.ProcessGroup) -> None:
+        """Called by `SecondSteps`, in first-step order: send this rank's summed piece to every rank."""
+        world_size = len(self._sizes)
+        second = dist.all_to_all_single(self._tensor, self._send, self._sizes, [self._mine] * world_size,
+                                        group=group, async_op=True)
+        with self._lock:
+            self._second, callbacks, self._callbacks = second, self._callbacks, []
+        for callback in callbacks:
+            second.get_future().add_done_callback(lambda _, callback=callback: callback())
+        self._issued.set()
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        wait_or_raise(self._first, timeout_s, f"the first step of {self._what}")
+        if not self._issued.wait(max(0.0, deadline - time.monotonic())):
+            raise communication_timeout(f"the second step of {self._what}", timeout_s, None)
+        if self._failure is not None:
+            raise communication_timeout(f"the first step of {self._what}", timeout_s, self._failure)
+        wait_or_raise(self._second, max(0.0, deadline - time.monotonic()), f"the second step of {self._what}")
+        self._send = None
+
+    def is_completed(self) -> bool:
+        second = self._second
+        return second is not None and second.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            second = self._second
+            if second is None:
+                self._callbacks.append(callback)
+                return
+        second.get_future().add_done_callback(lambda _: callback())
