@@ -27,6 +27,7 @@ per system, the median over clusters of that speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -64,6 +65,13 @@ def layout_system(text: str) -> Commsched:
     return Commsched(strategy, ("partitions " if partitions else "whole ") + text.removeprefix("p"))
 
 
+def ring_only(system: Commsched) -> Commsched:
+    """``system`` with every partition all-reduced by gloo's ring (no two-step all-reduce)."""
+    backend = dataclasses.replace(system.strategy.backend, all_to_all_mb=None)
+    label = f"{system.label}, ring" if system.label else "ring"
+    return Commsched(dataclasses.replace(system.strategy, backend=backend), label)
+
+
 def report(runs: list[dict], cpu: list, ddp_names: list[str]) -> list[str]:
     """Lines per cluster, then the median speed against the best DDP per system."""
     lines, speeds = [], {}
@@ -78,6 +86,8 @@ def report(runs: list[dict], cpu: list, ddp_names: list[str]) -> list[str]:
             waits = run[name].get("exposed_wait_s") or []
             wait = f", waits {statistics.median(waits) * 1e3:.1f} ms" if waits else ""
             lines.append(f"  {name:36s} {ms:7.1f} ms  {best_ddp / ms:.3f} x best DDP{wait}")
+            if run[name].get("transport"):
+                lines.append(f"    {run[name]['transport']}")
         kept = run.get(sharded.ALLREDUCE.name, {}).get("partitioning")
         if kept:
             lines.append(f"  the default: {kept}")
@@ -96,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="per host")
     parser.add_argument("--layout", nargs="*", type=layout_system, default=[], metavar="LAYOUT",
                         help="fixed commsched layouts to add: BUCKET/FIRST or pPART/CREDIT, in MiB")
+    parser.add_argument("--ring", action="store_true",
+                        help="also run every commsched system with gloo's ring for every partition "
+                             "(AllReduce(all_to_all_mb=None)), beside the default's measured two-step limit")
     parser.add_argument("--ddp-bucket-mb", nargs="+", type=float, default=[5.0],
                         help="torch DDP's bucket_cap_mb values; best DDP is the fastest")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
@@ -114,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ddp = sharded.ddp_sweep(args.ddp_bucket_mb)
     systems: tuple[System, ...] = (*ddp, sharded.ALLREDUCE, *args.layout)
+    if args.ring:
+        systems += tuple(ring_only(system) for system in (sharded.ALLREDUCE, *args.layout))
     record: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
     for hosts in args.hosts:
         runs, cpu = [], []

@@ -76,13 +76,15 @@ class AllReduce:
     warm-up sees one, gradients stay all-reduced; see README's "Sharded optimizer state"."""
 
     all_to_all_mb: float | str | None = "auto"
-    """On gloo among 3 or more ranks, partitions of at most this many MiB are all-reduced in
-    two all-to-alls rather than by gloo's ring, whose 2(N-1) steps in a row make small
-    collectives slow among many hosts (see [Note: an all-reduce in two steps] in
-    `commsched.comm.two_step`). ``"auto"`` times both at the end of warm-up and takes the
-    size up to which two steps are faster (with ``priority=True``, which warm-up profiles
-    for; otherwise gloo's ring throughout); a number fixes that size; None or 0 keeps the
-    ring. Other backends keep their own all-reduce."""
+    """On gloo among 3 or more ranks, all-reduce in two all-to-alls rather than by gloo's ring,
+    whose 2(N-1) steps in a row make small collectives slow among many hosts (see [Note: an
+    all-reduce in two steps] in `commsched.comm.two_step`). ``"auto"``: the bucket the next
+    forward pass needs first, the one it waits for at the end of backward, goes in two steps if,
+    timed both ways at the end of warm-up, they took at most 0.9 of the ring's time (needs
+    ``priority=True``, which warm-up profiles for; else the ring throughout). A number: every
+    partition of at most this many MiB, from the start (the ring carries bulk better where
+    many partitions are in flight: measure before setting it). None or 0: the ring throughout.
+    Other backends keep their own all-reduce."""
 
     def __repr__(self) -> str:
         """Only what differs from the default, as it would be written."""

@@ -107,6 +107,9 @@ class SystemResult:
     (``opt.synchronize()``; not in ``iteration_times_s``: see [Note: steady-state rounds])."""
     partitioning: str | None = None
     """commsched systems: the partitioning in use and why, where `commsched.status` says."""
+    transport: str | None = None
+    """commsched systems: what goes on the wire and how (`commsched.status`'s transport: which
+    partitions go in two all-to-alls, for one)."""
     layout_in_use: dict | None = None
     """commsched systems: the partition, credit, bucket and first bucket sizes in use (MiB; None:
     whole / unbounded) after the last round, where `commsched.status` says: what the simulator
@@ -212,6 +215,7 @@ class Run:
             self._figures.write_into(self.result)
             status = commsched.status(self.model)
             self.result.partitioning = getattr(status, "partitioning", None) or None
+            self.result.transport = status.transport
             self.result.layout_in_use = _layout_in_use(status)
             sharding = getattr(status, "sharding", None)
         self.result.sharding = None if sharding is None else asdict(sharding)

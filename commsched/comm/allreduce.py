@@ -19,7 +19,7 @@ from commsched.comm.heartbeat import Heartbeat
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
 from commsched.errors import CommunicationTimeout, wait_or_raise
-from commsched.layout.buckets import Bucket, BucketSet
+from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
 from commsched.strategy import MIB
 
@@ -125,14 +125,17 @@ class AllReduceTransport:
         self.scattered: frozenset[int] = frozenset()
         """The buckets of the current layout that are reduce-scattered."""
         self._backend_name = str(dist.get_backend(process_group))
-        self.two_steps: two_step.TwoStepChoice | None = None
+        self._second_steps = None if exchange_group is None else two_step.SecondSteps.of_group(exchange_group)
         """Set where partitions may go in two steps (see [Note: an all-reduce in two steps])."""
+        self._first_bucket_only = all_to_all_mb == "auto"
+        """Only the bucket the next forward pass needs first goes in two steps ("auto")."""
+        self._first_bucket = -1
         self.two_step_max_bytes = 0
         """Partitions of at most this many bytes go in two steps, now (0: none)."""
-        if exchange_group is not None and all_to_all_mb:
-            fixed = None if all_to_all_mb == "auto" else int(float(all_to_all_mb) * MIB)
-            self.two_steps = two_step.TwoStepChoice(two_step.SecondSteps.of_group(exchange_group), fixed)
-            self.two_step_max_bytes = fixed or 0  # "auto": the ring until the link is measured
+        self._two_steps_why = ""
+        if self._second_steps is not None and not self._first_bucket_only and all_to_all_mb:
+            self.two_step_max_bytes = int(float(all_to_all_mb) * MIB)
+            self._two_steps_why = f"partitions up to {_mib(self.two_step_max_bytes)} in two all-to-alls"
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
@@ -140,6 +143,7 @@ class AllReduceTransport:
         if not self.is_local:  # one replica: nothing is summed
             for bucket in buckets:
                 bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
+        self._first_bucket = first_needed(bucket_set.priorities)
         self.scattered = (reduce_scatter.scattered_buckets(bucket_set.priorities, self.world_size)
                           if self.scattering else frozenset())
         if self.scattered:
@@ -161,10 +165,19 @@ class AllReduceTransport:
             return reduce_scatter.averaged_range(bucket, self.rank, self.world_size)
         return 0, bucket.grad_numel
 
-    def use_two_steps(self, max_bytes: int) -> None:
-        """From now on, all-reduce partitions of at most ``max_bytes`` in two steps (the same on every rank)."""
-        if self.two_steps is not None:
+    @property
+    def two_steps_to_time(self) -> two_step.SecondSteps | None:
+        """With ``all_to_all_mb="auto"``, where two steps may go: warm-up times the first bucket's
+        all-reduce both ways, then `use_two_steps`."""
+        return self._second_steps if self._first_bucket_only else None
+
+    def use_two_steps(self, max_bytes: int, why: str) -> None:
+        """From now on, all-reduce the first bucket's partitions of at most ``max_bytes`` in two
+        steps (0: none); ``why``, for `describe`. The same on every rank."""
+        if self.two_steps_to_time is not None:
             self.two_step_max_bytes = max_bytes
+            way = "in two all-to-alls" if max_bytes else "by gloo's ring"
+            self._two_steps_why = f"the first bucket {way}: {why}"
 
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size > 1:
@@ -182,8 +195,9 @@ class AllReduceTransport:
                                              by_all_to_all=self._backend_name == "gloo")
             return _WorkHandle(scatter.work, bucket, partition, self, scatter)
         wire = bucket.wire[partition.start:partition.end]
-        if self.two_steps is not None and partition.nbytes <= self.two_step_max_bytes:
-            reduction = two_step.TwoStepAllReduce(wire, self.process_group, self.two_steps.second_steps,
+        if (partition.nbytes <= self.two_step_max_bytes
+                and (bucket.index == self._first_bucket or not self._first_bucket_only)):
+            reduction = two_step.TwoStepAllReduce(wire, self.process_group, self._second_steps,
                                                   _all_reduce_what(bucket, partition))
             return _TwoStepHandle(reduction, bucket, partition, self)
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
@@ -202,9 +216,7 @@ class AllReduceTransport:
         summed = self.reduce_dtype is not None and not self.is_local
         reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
         scattered = ", reduce-scatter of every bucket but the first" if self.scattering else ""
-        two_steps = ""
-        if self.two_step_max_bytes:
-            two_steps = f", partitions up to {_mib(self.two_step_max_bytes)} in two all-to-alls"
+        two_steps = f"; {self._two_steps_why}" if self._two_steps_why else ""
         return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{two_steps})")
 
     def finish(self) -> None:
@@ -213,7 +225,7 @@ class AllReduceTransport:
 
     def forget_process_groups(self) -> None:
         self.process_group = None  # type: ignore[assignment]
-        self.two_steps = None
+        self._second_steps = None
         self.two_step_max_bytes = 0
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.comm.reduce_dtype import copy_back
-from commsched.layout.buckets import Bucket, BucketSet
+from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
 
 
@@ -44,7 +44,7 @@ def scattered_buckets(priorities: Sequence[int], world_size: int) -> frozenset[i
     """The buckets to reduce-scatter: all but the one the forward pass needs first (priority 0)."""
     if world_size < 2 or len(priorities) < 2:
         return frozenset()
-    first = min(range(len(priorities)), key=lambda b: (priorities[b], b))
+    first = first_needed(priorities)
     return frozenset(b for b in range(len(priorities)) if b != first)
 
 

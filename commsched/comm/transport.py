@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from commsched.comm.two_step import TwoStepChoice
+from commsched.comm.two_step import SecondSteps
 from commsched.errors import CommunicationTimeout
 from commsched.layout.buckets import Bucket, BucketSet
 from commsched.layout.partitions import Partition
@@ -86,12 +86,13 @@ class Transport(Protocol):
     """True once buckets are reduce-scattered: each rank then holds the average of its own
     chunk of them only (`averaged_range`)."""
 
-    two_steps: TwoStepChoice | None
-    """Set where partitions may be all-reduced in two all-to-alls (see [Note: an all-reduce in two
-    steps] in `commsched.comm.two_step`), for the link's measurement; None elsewhere."""
+    two_steps_to_time: SecondSteps | None
+    """Set where the first bucket may be all-reduced in two all-to-alls if they time faster at the
+    end of warm-up (see [Note: an all-reduce in two steps] in `commsched.comm.two_step`)."""
 
-    def use_two_steps(self, max_bytes: int) -> None:
-        """From now on, all-reduce partitions of at most ``max_bytes`` in two steps (where ``two_steps``)."""
+    def use_two_steps(self, max_bytes: int, why: str) -> None:
+        """From now on, all-reduce the first bucket's partitions of at most ``max_bytes`` in two
+        steps (where ``two_steps_to_time``); ``why`` says what the timing found."""
 
     def start_scattering(self) -> bool:
         """From the next layout on, reduce-scatter the buckets if the strategy asks for it; True if so."""

@@ -15,6 +15,17 @@ goes in two steps instead:
 Each rank sends the bytes a ring sends, in two steps rather than 2(N-1). Every
 rank ends with the same bits: each piece is summed once, by its owner.
 
+Which partitions: by default (``AllReduce(all_to_all_mb="auto")``) only those
+of the bucket the next forward pass needs first. It is issued at the end of
+backward and the forward pass waits for it, so its latency is what shows. Where
+many partitions are in flight the ring's bandwidth counts more: on 8 emulated
+hosts at 0.5 Gbit/s, sending every 1 MiB partition in two steps took as long as
+the ring or longer, while the first bucket alone in two steps was 9% faster
+(docs/benchmarks.md, "Small all-reduces in two steps"). It goes in two steps
+only where, timed both ways at the end of warm-up, they took at most 0.9 of the
+ring's time (`commsched.planning.calibration.time_both_ways`), the same
+decision on every rank.
+
 The second step can start only once the first is done, so it is issued from the
 first's completion, on a communication thread. Collectives are matched by issue
 order, and completions come in a different order on different ranks: the second
@@ -31,21 +42,11 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from commsched.errors import communication_timeout, wait_or_raise
-
-
-@dataclass(frozen=True)
-class TwoStepChoice:
-    """A transport that can all-reduce in two steps: where the second steps go, and the size up to
-    which it uses them (None: up to where the link's measurement says they are faster)."""
-
-    second_steps: SecondSteps
-    max_bytes: int | None
 
 
 def two_steps_possible(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -142,12 +142,13 @@ class Warmup:
             self._calibration = self._calibrate(layout)
 
     def _calibrate(self, layout: GradLayout) -> Calibration:
-        """Time the link (collective); where partitions may go in two steps, from now on they do
-        up to the size its measurement says they are faster (see [Note: an all-reduce in two steps])."""
+        """Time the link (collective); where the first bucket may go in two steps, from now on it
+        does if they timed faster (see [Note: an all-reduce in two steps])."""
         calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s, self._config.adaptive,
-                                self._transport.two_steps)
-        if calibration.link is not None and calibration.link.two_step is not None:
-            self._transport.use_two_steps(calibration.link.two_step_max_bytes)
+                                self._transport.two_steps_to_time)
+        timing = calibration.two_step
+        if timing is not None:
+            self._transport.use_two_steps(timing.nbytes if timing.pays else 0, timing.describe())
         return calibration
 
     def finish(self, layout: GradLayout) -> WarmupResult:

@@ -161,6 +161,11 @@ def view_like(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
     return segment.as_strided(param.shape, dense_strides)
 
 
+def first_needed(priorities: Sequence[int]) -> int:
+    """The bucket the forward pass needs first (priority 0; the lowest index on a tie), -1 if none."""
+    return min(range(len(priorities)), key=lambda b: (priorities[b], b), default=-1)
+
+
 class BucketSet(NamedTuple):
     """A model's buckets and how they came about: what a transport cuts into partitions."""
 

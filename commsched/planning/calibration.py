@@ -6,7 +6,6 @@ profiled backward pass, where memory is lowest.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commsched.comm.two_step import SecondSteps, TwoStepAllReduce, TwoStepChoice
+from commsched.comm.two_step import SecondSteps, TwoStepAllReduce
 from commsched.errors import wait_or_raise
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.schedule import LinkModel
@@ -65,9 +64,8 @@ def measure_latency(
 
 
 def measure_link(
-    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float,
-    second_steps: SecondSteps | None = None,
-) -> tuple[LinkModel, float, LinkModel | None, int]:
+    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
+) -> tuple[LinkModel, float]:
     """An all-reduce's cost as ``a + n / b`` at two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
 
@@ -78,37 +76,16 @@ def measure_link(
     `Timeline.transport_cpu_share`). The sizes take turns, after one untimed
     all-reduce each (the first of a size sets up the transport's buffers), so
     that a slow spell of the host slows both alike; see `link_from_samples`.
-
-    With ``second_steps``, the same sizes are also all-reduced in two steps, in
-    turn with the others, and that line is returned too (else None), with the
-    largest size measured.
     """
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     sizes = (large // 8 // 4 * 4, large)
     buffers = [torch.zeros(size // 4, device=device) for size in sizes]
     what = "the link measurement before choosing the partitioning"
-    ways = [None] if second_steps is None else [None, second_steps]
-    for way in ways:
-        for buffer in buffers:
-            _timed_all_reduce(buffer, group, timeout_s, what, way)
-    samples = [[[_timed_all_reduce(buffer, group, timeout_s, what, way) for buffer in buffers] for way in ways]
+    for buffer in buffers:
+        _timed_all_reduce(buffer, group, timeout_s, what)
+    samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
                for _ in range(CALIBRATION_REPEATS)]
-    link, cpu_share = link_from_samples(sizes, [row[0] for row in samples], latency_s)
-    if second_steps is None:
-        return link, cpu_share, None, large
-    return link, cpu_share, link_from_samples(sizes, [row[1] for row in samples], latency_s)[0], large
-
-
-def two_step_max_bytes(ring: LinkModel, two_step: LinkModel, largest_measured: int) -> int:
-    """The largest all-reduce that the two-step line says is faster than the ring's, never beyond
-    ``largest_measured`` (a line says nothing beyond its samples): 0 where two steps cost more
-    even at zero bytes."""
-    if two_step.latency_s >= ring.latency_s:
-        return 0
-    extra_per_byte = 1 / two_step.bytes_per_s - 1 / ring.bytes_per_s
-    if extra_per_byte <= 0:
-        return largest_measured
-    return min(largest_measured, int((ring.latency_s - two_step.latency_s) / extra_per_byte))
+    return link_from_samples(sizes, samples, latency_s)
 
 
 def link_from_samples(
@@ -132,6 +109,47 @@ def link_from_samples(
     return LinkModel(latency_s=fixed_s, bytes_per_s=bytes_per_s), min(1.0, cpu_share)
 
 
+TWO_STEP_SHARE = 0.9
+"""The first bucket goes in two steps only where they took at most this share of the ring's time:
+a decision taken on a few samples must not flip between runs on noise alone."""
+
+
+@dataclass(frozen=True)
+class TwoStepTiming:
+    """The first bucket's all-reduce timed both ways (medians, rank 0's): see `time_both_ways`."""
+
+    nbytes: int
+    ring_s: float
+    two_step_s: float
+
+    @property
+    def pays(self) -> bool:
+        """Whether two steps are clearly faster (`TWO_STEP_SHARE`)."""
+        return self.two_step_s <= TWO_STEP_SHARE * self.ring_s
+
+    def describe(self) -> str:
+        return (f"at {self.nbytes / 2**20:.3g} MiB, two all-to-alls took {self.two_step_s * 1e3:.1f} ms "
+                f"and gloo's ring {self.ring_s * 1e3:.1f} ms")
+
+
+def time_both_ways(group: dist.ProcessGroup, device: torch.device, nbytes: int, second_steps: SecondSteps,
+                   timeout_s: float) -> TwoStepTiming:
+    """An all-reduce of ``nbytes``, by the ring and in two steps, in turn, `CALIBRATION_REPEATS`
+    times each after one untimed each; rank 0's medians, the same on every rank (the two ways'
+    collectives differ, so every rank must choose alike). Collective."""
+    buffer = torch.zeros(max(1, nbytes // 4), device=device)
+    what = "the timing of the first bucket's all-reduce, by the ring and in two steps"
+    ways = (None, second_steps)
+    for way in ways:
+        _timed_all_reduce(buffer, group, timeout_s, what, way)
+    samples = [[_timed_all_reduce(buffer, group, timeout_s, what, way)[0] for way in ways]
+               for _ in range(CALIBRATION_REPEATS)]
+    medians = torch.tensor([statistics.median(column) for column in zip(*samples)], dtype=torch.float64)
+    wait_or_raise(dist.broadcast(medians, group=group, group_src=0, async_op=True), timeout_s,
+                  "the broadcast of rank 0's timing of the first bucket's all-reduce")
+    return TwoStepTiming(buffer.numel() * 4, float(medians[0]), float(medians[1]))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The link, measured idle once per model: see `calibrate`."""
@@ -142,10 +160,12 @@ class Calibration:
     """An all-reduce's cost by size (None where the cost model does not run)."""
     transport_cpu_share: float = 0.0
     """See `Timeline.transport_cpu_share`."""
+    two_step: TwoStepTiming | None = None
+    """The first bucket's all-reduce timed both ways, where the transport may take two steps."""
 
 
 def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool,
-              two_steps: TwoStepChoice | None = None) -> Calibration:
+              second_steps: SecondSteps | None = None) -> Calibration:
     """Time the link on ``group`` with tensors on the gradients' device. Collective.
 
     Runs where memory is lowest, at the end of warm-up's last profiled backward
@@ -153,25 +173,17 @@ def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, wi
     all-reduces of up to `CALIBRATION_BYTES` would otherwise add to the peak
     of a backward pass, with every activation alive.
 
-    With ``two_steps`` (a transport that can all-reduce in two steps), the link
-    is timed both ways, and the returned link says up to which size two steps
-    go: rank 0's measurement, the same on every rank, since the collectives of
-    the two ways differ.
+    With ``second_steps`` (see [Note: an all-reduce in two steps] in
+    `commsched.comm.two_step`), the first bucket's largest partition is also
+    all-reduced both ways (`time_both_ways`).
     """
     device = layout.buckets[0].flat.device
     latency_s = measure_latency(group, device, timeout_s)
-    if not (with_link or two_steps is not None):
-        return Calibration(latency_s)
-    nbytes = sum(b.nbytes for b in layout.buckets)
-    second_steps = None if two_steps is None else two_steps.second_steps
-    link, cpu_share, two_step, largest = measure_link(group, device, nbytes, latency_s, timeout_s, second_steps)
-    if two_step is not None:
-        max_bytes = two_steps.max_bytes
-        if max_bytes is None:
-            max_bytes = two_step_max_bytes(link, two_step, largest)
-        message = torch.tensor([two_step.latency_s, two_step.bytes_per_s, float(max_bytes)], dtype=torch.float64)
-        wait_or_raise(dist.broadcast(message, group=group, group_src=0, async_op=True), timeout_s,
-                      "the broadcast of rank 0's measurement of the two-step all-reduce")
-        two_step = LinkModel(latency_s=float(message[0]), bytes_per_s=float(message[1]))
-        link = dataclasses.replace(link, two_step=two_step, two_step_max_bytes=int(message[2]))
-    return Calibration(latency_s, link, cpu_share)
+    two_step = None
+    if second_steps is not None:
+        first = max(p.nbytes for p in layout.partitions if p.bucket == layout.flags_bucket)
+        two_step = time_both_ways(group, device, first, second_steps, timeout_s)
+    if not with_link:
+        return Calibration(latency_s, two_step=two_step)
+    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s)
+    return Calibration(latency_s, link, cpu_share, two_step)

@@ -20,20 +20,12 @@ from commsched.layout.partitions import Partition
 
 @dataclass(frozen=True)
 class LinkModel:
-    """How long one all-reduce of ``n`` bytes takes: ``latency_s + n / bytes_per_s``, or, up to
-    ``two_step_max_bytes``, as ``two_step`` says (see [Note: an all-reduce in two steps] in
-    `commsched.comm.two_step`)."""
+    """How long one all-reduce of ``n`` bytes takes: ``latency_s + n / bytes_per_s``."""
 
     latency_s: float
     bytes_per_s: float
-    two_step: LinkModel | None = None
-    """The all-reduce in two all-to-alls, where it was measured."""
-    two_step_max_bytes: int = 0
-    """Partitions of at most this many bytes go in two steps (0: none)."""
 
     def duration_s(self, nbytes: int) -> float:
-        if self.two_step is not None and nbytes <= self.two_step_max_bytes:
-            return self.two_step.duration_s(nbytes)
         return self.latency_s + nbytes / self.bytes_per_s
 
 

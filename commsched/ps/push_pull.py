@@ -93,7 +93,7 @@ class ParameterServerTransport:
     sums_usage_flags = False
     chunk_padding = 1
     scattering = False
-    two_steps = None
+    two_steps_to_time = None
     join_refusal = (
         "Join (uneven inputs) is not supported with Strategy(backend=ParameterServer(...)): in sync mode "
         "the servers wait for every worker's gradients. Give every worker the same number of batches "
@@ -169,7 +169,7 @@ class ParameterServerTransport:
     def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
         return 0, bucket.grad_numel
 
-    def use_two_steps(self, max_bytes: int) -> None:
+    def use_two_steps(self, max_bytes: int, why: str) -> None:
         """Blocks go to their servers: no all-reduce to take in two steps."""
 
     def describe(self) -> TransportStatus:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import commsched
 from commsched.comm import two_step
 from commsched.comm.side_groups import exchange_group_for
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
+from commsched.planning import calibration
 from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, run_subtests
 from tests.distributed.test_allreduce_parity import (
     batches,
@@ -130,18 +132,41 @@ def case_both_ways_in_one_pass(rank, world_size):
 
 
 def case_auto_agrees_on_every_rank(rank, world_size):
-    """The default measures both ways at the end of warm-up: every rank takes rank 0's limit, and
-    training is exact whichever it is. Without priority there is no warm-up profile, so the ring stays."""
+    """The default times the first bucket's all-reduce both ways at the end of warm-up: every rank
+    takes rank 0's verdict, and training is exact whichever it is. Without priority there is no
+    warm-up profile, so the ring stays."""
     model = case_matches_single_process(rank, world_size, "adamw", commsched.Strategy(), True)
     transport = model._commsched_reducer.transport
-    assert transport.two_steps is not None and transport.two_steps.max_bytes is None
+    assert transport.two_steps_to_time is not None
     assert_same_on_all_ranks(transport.two_step_max_bytes, "the size limit of two-step all-reduces")
-    if transport.two_step_max_bytes:
-        assert "in two all-to-alls" in commsched.status(model).transport
+    assert "the first bucket" in commsched.status(model).transport, commsched.status(model).transport
     commsched.release(model)
     with counted_two_steps() as count:
         model = case_matches_single_process(rank, world_size, "adamw", commsched.Strategy(priority=False), True)
     assert count[0] == 0 and model._commsched_reducer.transport.two_step_max_bytes == 0
+    commsched.release(model)
+
+
+def case_auto_sends_only_the_first_bucket_in_two_steps(rank, world_size, share):
+    """With two steps timed faster (``share``: what counts as faster, forced here), each pass after
+    warm-up sends exactly the partitions of the bucket the forward pass needs first in two
+    steps; timed slower, none."""
+    strategy = commsched.Strategy(bucket_cap_mb=0.002, first_bucket_mb=0.0005, partition_mb=TINY_PARTITION_MB,
+                                  credit_mb=TINY_CREDIT_MB, adaptive=False)
+    model, optimizer, reference, reference_optimizer = fresh_pair("adam")
+    model, optimizer = commsched.prepare(model, optimizer, strategy)
+    with mock.patch.object(calibration, "TWO_STEP_SHARE", share), counted_two_steps() as count:
+        for iteration, (x, y) in enumerate(batches(world_size)):
+            before = count[0]
+            local_step(model, optimizer, x, y, iteration, rank)
+            reference_step(reference, reference_optimizer, x, y, iteration, world_size)
+            if iteration >= WARMUP_ITERATIONS:
+                reducer = model._commsched_reducer
+                first = [p for p in reducer.plan.partitions if p.bucket == reducer.layout.flags_bucket]
+                assert count[0] - before == (len(first) if share > 1 else 0), (iteration, count[0] - before)
+    assert_same_parameters(model, reference)
+    status = commsched.status(model).transport
+    assert ("the first bucket in two all-to-alls" if share > 1 else "the first bucket by gloo's ring") in status
     commsched.release(model)
 
 
@@ -172,6 +197,10 @@ def two_step_cases(rank: int, world_size: int) -> None:
         "sums in any order": functools.partial(case_sums_exactly_in_any_order, rank, world_size),
         "both ways in one pass": functools.partial(case_both_ways_in_one_pass, rank, world_size),
         "auto": functools.partial(case_auto_agrees_on_every_rank, rank, world_size),
+        "auto, timed faster": functools.partial(case_auto_sends_only_the_first_bucket_in_two_steps, rank,
+                                                world_size, 1e9),
+        "auto, timed slower": functools.partial(case_auto_sends_only_the_first_bucket_in_two_steps, rank,
+                                                world_size, 0.0),
         "two models on one group": functools.partial(case_two_models_on_one_group, rank, world_size),
         "where": functools.partial(case_where_two_steps_apply, rank, world_size),
         "reduce-scattered, first bucket in two steps": functools.partial(
@@ -211,7 +240,9 @@ def ring_between_two_ranks(rank: int, world_size: int) -> None:
     with counted_two_steps() as count:
         model = case_matches_single_process(rank, world_size, "adam", STRATEGIES["small_buckets"], True)
     reducer = model._commsched_reducer
-    assert count[0] == 0 and reducer.transport.two_steps is None and reducer.groups.exchange is None
+    transport = reducer.transport
+    assert count[0] == 0 and transport.two_steps_to_time is None and transport.two_step_max_bytes == 0
+    assert reducer.groups.exchange is None
     assert "two all-to-alls" not in commsched.status(model).transport
     commsched.release(model)
 

@@ -1,5 +1,5 @@
-"""The all-reduce in two steps, as pure logic: its pieces, the size up to which the link's
-measurement takes it, how the cost model prices it, and how it is configured."""
+"""The all-reduce in two steps, as pure logic: its pieces, when the timing at the end of warm-up
+takes it, and how it is configured."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 
 import commsched
 from commsched.comm.two_step import piece_sizes
-from commsched.planning.calibration import two_step_max_bytes
-from commsched.planning.schedule import LinkModel
-from commsched.strategy import MIB
+from commsched.planning.calibration import TwoStepTiming
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
@@ -22,36 +20,13 @@ def test_pieces_cover_the_partition_and_differ_by_at_most_one_element(numel, wor
     assert sizes == sorted(sizes, reverse=True)
 
 
-RING = LinkModel(latency_s=20e-3, bytes_per_s=100e6)
-"""Among 8 hosts: 2(N-1) steps in a row cost a large fixed time."""
-
-
-def test_two_steps_go_up_to_where_their_line_crosses_the_ring():
-    two_step = LinkModel(latency_s=10e-3, bytes_per_s=50e6)  # half the fixed cost, half the bandwidth
-    crossing = two_step_max_bytes(RING, two_step, largest_measured=64 * MIB)
-    # 10 ms + n / 50 MB/s = 20 ms + n / 100 MB/s at n = 1 MB.
-    assert crossing == pytest.approx(1e6, rel=1e-6)
-    assert two_step.duration_s(crossing) == pytest.approx(RING.duration_s(crossing))
-
-
-def test_two_steps_never_go_beyond_the_largest_size_measured():
-    assert two_step_max_bytes(RING, LinkModel(10e-3, 50e6), largest_measured=2**19) == 2**19
-    # Cheaper at every size: still only as far as measured.
-    assert two_step_max_bytes(RING, LinkModel(10e-3, 200e6), largest_measured=8 * MIB) == 8 * MIB
-
-
-def test_two_steps_are_not_taken_where_their_fixed_cost_is_no_lower():
-    assert two_step_max_bytes(RING, LinkModel(20e-3, 1e9), largest_measured=8 * MIB) == 0
-    assert two_step_max_bytes(RING, LinkModel(30e-3, 50e6), largest_measured=8 * MIB) == 0
-
-
-def test_the_cost_model_prices_each_partition_by_the_way_it_goes():
-    two_step = LinkModel(latency_s=10e-3, bytes_per_s=50e6)
-    link = LinkModel(RING.latency_s, RING.bytes_per_s, two_step=two_step, two_step_max_bytes=10**6)
-    assert link.duration_s(10**5) == pytest.approx(two_step.duration_s(10**5))
-    assert link.duration_s(10**6) == pytest.approx(two_step.duration_s(10**6))
-    assert link.duration_s(10**6 + 1) == pytest.approx(RING.duration_s(10**6 + 1))
-    assert RING.duration_s(10**5) == pytest.approx(21e-3)  # without a two-step line, the ring throughout
+def test_the_first_bucket_goes_in_two_steps_only_where_they_are_clearly_faster():
+    assert TwoStepTiming(2**20, ring_s=20e-3, two_step_s=12e-3).pays
+    assert TwoStepTiming(2**20, ring_s=20e-3, two_step_s=18e-3).pays  # 0.9 of the ring's time
+    assert not TwoStepTiming(2**20, ring_s=20e-3, two_step_s=18.5e-3).pays  # noise, not a gain
+    assert not TwoStepTiming(2**20, ring_s=20e-3, two_step_s=30e-3).pays
+    assert TwoStepTiming(2**20, 20e-3, 12e-3).describe() == (
+        "at 1 MiB, two all-to-alls took 12.0 ms and gloo's ring 20.0 ms")
 
 
 def test_all_to_all_mb_is_auto_by_default_and_written_only_when_changed():
