@@ -14,7 +14,13 @@ the configured buckets sent whole), and commsched with each fixed layout of
   which the next forward pass needs first) FIRST MiB;
 - ``pPART/CREDIT``: partitions of PART MiB under a credit window of CREDIT MiB;
   ``pPART/CREDIT/BUCKET/FIRST`` also sets the buckets they cut (as
-  ``commsched plan`` and the simulator's search spell a Strategy).
+  ``commsched plan`` and the simulator's search spell a Strategy);
+- ``default``: the default `Strategy()` again (to give it another all-reduce);
+- any of them followed by ``,a2a=MB``: every partition up to MB MiB all-reduced
+  in two all-to-alls (`commsched.AllReduce.all_to_all_mb`), or ``,ring``: none.
+
+``--ring`` adds, for the default and each layout, the same with gloo's ring for
+every partition (``AllReduce(all_to_all_mb=None)``).
 
 The machine's cores are sampled over each cluster (`commsched.bench.cpu_guard`):
 a cluster whose median busy share is at or above its threshold measured the
@@ -38,31 +44,53 @@ import sharded  # noqa: E402 - the cell of benchmarks/sharded.py, beside this sc
 
 from commsched.bench.models import WORKLOADS  # noqa: E402
 from commsched.bench.systems import Commsched, System  # noqa: E402
-from commsched.strategy import Strategy  # noqa: E402
+from commsched.strategy import AllReduce, Strategy  # noqa: E402
 
 WORKLOAD = "resnet50-emulated"
 
 
 def layout_system(text: str) -> Commsched:
     """``BUCKET/FIRST``, ``pPART/CREDIT`` or ``pPART/CREDIT/BUCKET/FIRST`` (MiB) as a fixed-layout
-    commsched system."""
-    partitions = text.startswith("p")
+    commsched system, or ``default`` (the default `Strategy()`); any of them followed by
+    ``,a2a=MB`` (every partition up to MB MiB all-reduced in two steps) or ``,ring`` (none)."""
+    layout, _, way = text.partition(",")
+    partitions = layout.startswith("p")
     try:
-        sizes = [float(part) for part in text.removeprefix("p").split("/")]
-        if len(sizes) not in ((2, 4) if partitions else (2,)):
-            raise ValueError(f"{len(sizes)} sizes")
-        first, second = sizes[:2]
-        if partitions:
-            buckets = {} if len(sizes) == 2 else {"bucket_cap_mb": sizes[2], "first_bucket_mb": sizes[3]}
-            strategy = Strategy(partition_mb=first, credit_mb=second, adaptive=False, **buckets)
+        backend = _all_reduce_way(way)
+        if layout == "default":
+            strategy, label = Strategy(backend=backend), "default"
         else:
-            strategy = Strategy(partition_mb=None, credit_mb=None, bucket_cap_mb=first, first_bucket_mb=second,
-                                adaptive=False)
+            strategy, label = _fixed_layout(layout, partitions, backend)
     except ValueError as error:
         raise argparse.ArgumentTypeError(
             f"--layout {text!r}: give BUCKET/FIRST (whole buckets, MiB: 5/1), pPART/CREDIT (partitions and "
-            f"credit window, MiB: p1/4) or pPART/CREDIT/BUCKET/FIRST (p2/2/5/1); {error}") from None
-    return Commsched(strategy, ("partitions " if partitions else "whole ") + text.removeprefix("p"))
+            f"credit window, MiB: p1/4), pPART/CREDIT/BUCKET/FIRST (p2/2/5/1) or default, optionally followed "
+            f"by ,a2a=MB or ,ring (5/1,a2a=1.2); {error}") from None
+    return Commsched(strategy, f"{label}, {way}" if way else label)
+
+
+def _all_reduce_way(way: str) -> AllReduce:
+    if not way:
+        return AllReduce()
+    if way == "ring":
+        return AllReduce(all_to_all_mb=None)
+    if way.startswith("a2a="):
+        return AllReduce(all_to_all_mb=float(way.removeprefix("a2a=")))
+    raise ValueError(f"unknown way {way!r}")
+
+
+def _fixed_layout(layout: str, partitions: bool, backend: AllReduce) -> tuple[Strategy, str]:
+    sizes = [float(part) for part in layout.removeprefix("p").split("/")]
+    if len(sizes) not in ((2, 4) if partitions else (2,)):
+        raise ValueError(f"{len(sizes)} sizes")
+    first, second = sizes[:2]
+    if partitions:
+        buckets = {} if len(sizes) == 2 else {"bucket_cap_mb": sizes[2], "first_bucket_mb": sizes[3]}
+        strategy = Strategy(partition_mb=first, credit_mb=second, adaptive=False, backend=backend, **buckets)
+    else:
+        strategy = Strategy(partition_mb=None, credit_mb=None, bucket_cap_mb=first, first_bucket_mb=second,
+                            adaptive=False, backend=backend)
+    return strategy, ("partitions " if partitions else "whole ") + layout.removeprefix("p")
 
 
 def ring_only(system: Commsched) -> Commsched:

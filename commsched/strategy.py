@@ -80,7 +80,8 @@ class AllReduce:
     whose 2(N-1) steps in a row make small collectives slow among many hosts (see [Note: an
     all-reduce in two steps] in `commsched.comm.two_step`). ``"auto"``: the bucket the next
     forward pass needs first, the one it waits for at the end of backward, goes in two steps if,
-    timed both ways at the end of warm-up, they took at most 0.9 of the ring's time (needs
+    timed both ways at the end of warm-up behind an all-reduce of the largest other bucket (as
+    in training), they took at most 0.9 of the ring's time (needs
     ``priority=True``, which warm-up profiles for; else the ring throughout). A number: every
     partition of at most this many MiB, from the start (the ring carries bulk better where
     many partitions are in flight: measure before setting it). None or 0: the ring throughout.

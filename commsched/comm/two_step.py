@@ -17,14 +17,17 @@ rank ends with the same bits: each piece is summed once, by its owner.
 
 Which partitions: by default (``AllReduce(all_to_all_mb="auto")``) only those
 of the bucket the next forward pass needs first. It is issued at the end of
-backward and the forward pass waits for it, so its latency is what shows. Where
-many partitions are in flight the ring's bandwidth counts more: on 8 emulated
-hosts at 0.5 Gbit/s, sending every 1 MiB partition in two steps took as long as
-the ring or longer, while the first bucket alone in two steps was 9% faster
-(docs/benchmarks.md, "Small all-reduces in two steps"). It goes in two steps
-only where, timed both ways at the end of warm-up, they took at most 0.9 of the
-ring's time (`commsched.planning.calibration.time_both_ways`), the same
-decision on every rank.
+backward, behind the other buckets' reductions, and the next forward pass waits
+for it, so its time is what shows; behind other traffic the ring's messages
+queue on the same connections as the bulk's, while the second steps go on a
+group of their own. Where many partitions are in flight the ring's bandwidth
+counts more: on 8 emulated hosts at 0.5 Gbit/s, every 1 MiB partition in two
+steps was no faster than the ring, while the first bucket alone in two steps
+made iterations 6-9% faster (docs/benchmarks.md, "Small all-reduces in two
+steps"). It goes in two steps where, timed both ways at the end of warm-up
+behind an all-reduce of the largest other bucket, they took at most 0.9 of the
+ring's time (`commsched.planning.calibration.time_both_ways`): rank 0's
+verdict, on every rank.
 
 The second step can start only once the first is done, so it is issued from the
 first's completion, on a communication thread. Collectives are matched by issue

@@ -39,6 +39,7 @@ from commsched.layout.grad_layout import GradLayout
 from commsched.planning.calibration import Calibration, calibrate
 from commsched.planning.cost_model import Choice, Timeline
 from commsched.planning.plans import WarmupTimeline, choose_on_rank0
+from commsched.strategy import MIB
 from commsched.watch.first_forward import FirstForward, agree_on_order
 from commsched.watch.parameter_use import EagerForward
 from commsched.watch.reads import ParameterReads
@@ -145,7 +146,7 @@ class Warmup:
         """Time the link (collective); where the first bucket may go in two steps, from now on it
         does if they timed faster (see [Note: an all-reduce in two steps])."""
         calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s, self._config.adaptive,
-                                self._transport.two_steps_to_time)
+                                self._transport.two_steps_to_time, int(self._config.layout.first_bucket_mb * MIB))
         timing = calibration.two_step
         if timing is not None:
             self._transport.use_two_steps(timing.nbytes if timing.pays else 0, timing.describe())

@@ -21,12 +21,12 @@ def test_pieces_cover_the_partition_and_differ_by_at_most_one_element(numel, wor
 
 
 def test_the_first_bucket_goes_in_two_steps_only_where_they_are_clearly_faster():
-    assert TwoStepTiming(2**20, ring_s=20e-3, two_step_s=12e-3).pays
-    assert TwoStepTiming(2**20, ring_s=20e-3, two_step_s=18e-3).pays  # 0.9 of the ring's time
-    assert not TwoStepTiming(2**20, ring_s=20e-3, two_step_s=18.5e-3).pays  # noise, not a gain
-    assert not TwoStepTiming(2**20, ring_s=20e-3, two_step_s=30e-3).pays
-    assert TwoStepTiming(2**20, 20e-3, 12e-3).describe() == (
-        "at 1 MiB, two all-to-alls took 12.0 ms and gloo's ring 20.0 ms")
+    assert TwoStepTiming(2**20, 5 * 2**20, ring_s=20e-3, two_step_s=12e-3).pays
+    assert TwoStepTiming(2**20, 5 * 2**20, ring_s=20e-3, two_step_s=18e-3).pays  # 0.9 of the ring's time
+    assert not TwoStepTiming(2**20, 5 * 2**20, ring_s=20e-3, two_step_s=18.5e-3).pays  # noise, not a gain
+    assert not TwoStepTiming(2**20, 5 * 2**20, ring_s=20e-3, two_step_s=30e-3).pays
+    assert TwoStepTiming(2**20, 5 * 2**20, 20e-3, 12e-3).describe() == (
+        "at 1 MiB behind an all-reduce of 5 MiB, two all-to-alls took 12.0 ms and gloo's ring 20.0 ms")
 
 
 def test_all_to_all_mb_is_auto_by_default_and_written_only_when_changed():
