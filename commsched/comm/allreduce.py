@@ -111,7 +111,7 @@ class AllReduceTransport:
         """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
         `commsched.AllReduce.reduce_scatter` (from `start_scattering` on); ``exchange_group``: where
         the second steps of two-step all-reduces go, for `commsched.AllReduce.all_to_all_mb`
-        (None: never in two steps; see `uses_two_steps`)."""
+        (None: never in two steps; see `two_steps_to_time`)."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
@@ -135,7 +135,7 @@ class AllReduceTransport:
         self._two_steps_why = ""
         if self._second_steps is not None and not self._first_bucket_only and all_to_all_mb:
             self.two_step_max_bytes = int(float(all_to_all_mb) * MIB)
-            self._two_steps_why = f"partitions up to {_mib(self.two_step_max_bytes)} in two all-to-alls"
+            self._two_steps_why = f"partitions up to {float(all_to_all_mb):.3g} MiB in two all-to-alls"
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
@@ -227,7 +227,3 @@ class AllReduceTransport:
         self.process_group = None  # type: ignore[assignment]
         self._second_steps = None
         self.two_step_max_bytes = 0
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / MIB:.3g} MiB"

@@ -120,11 +120,11 @@ def parameter_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 _EXCHANGE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
-"""The second steps of two-step all-reduces, by user group: they are issued from completions, in an
+"""The second steps of two-step all-reduces, by user group: issued from completions, they need an
 order of their own (see [Note: an all-reduce in two steps] in `commsched.comm.two_step`). One per
-user group, shared by the models prepared on it, as `_PARAMETER_GROUPS` is: their second steps
-are issued by one another's completions, but each model's plan issues its first steps from the
-training thread, in program order, and the second steps follow them in that order."""
+user group, shared by the models prepared on it, as `_PARAMETER_GROUPS` is: one queue per group
+(`SecondSteps.of_group`) issues them in the order of their first steps, which every model issues
+in program order."""
 atexit.register(_EXCHANGE_GROUPS.clear)
 
 

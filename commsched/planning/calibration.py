@@ -149,8 +149,8 @@ def time_both_ways(group: dist.ProcessGroup, device: torch.device, nbytes: int, 
     connections, while the second steps go on a group of their own. So it is timed behind a
     bulk all-reduce, as in training.
     """
-    first, behind = torch.zeros(max(1, nbytes // 4), device=device), torch.zeros(max(1, behind_nbytes // 4),
-                                                                                 device=device)
+    first = torch.zeros(max(1, nbytes // 4), device=device)
+    behind = torch.zeros(max(1, behind_nbytes // 4), device=device)
     what = "the timing of the first bucket's all-reduce, by the ring and in two steps"
 
     def timed(way: SecondSteps | None) -> float:
