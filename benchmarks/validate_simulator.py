@@ -14,7 +14,8 @@ given that profile and link and nothing measured during the comparison; its
 iteration time for each system is set against the measured median.
 
 ``--from-runs results/validation/runs.json`` simulates an earlier run's cells again
-(after a change to the simulator) without measuring.
+(after a change to the simulator) without measuring; with ``--in-flight 1`` as if
+the link ran one collective at a time, whatever the backend.
 
 Writes ``runs.json`` (every measurement and profile) and ``validation.md`` (the
 table, median and worst absolute error; then per cell commsched's default against
@@ -87,7 +88,13 @@ def simulated_s(system: object, profile: Profile, cluster: Cluster, measured: di
     return simulate(profile, cluster, used).iteration_s
 
 
-def compare_cell(cell: Cell, run: dict) -> list[dict]:
+def cluster_of(cell: Cell, profile: Profile, in_flight: int | None = None) -> Cluster:
+    """The cell's cluster from its measured link; ``in_flight`` replaces the link's."""
+    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    return cluster if in_flight is None else dataclasses.replace(cluster, in_flight=in_flight)
+
+
+def compare_cell(cell: Cell, run: dict, in_flight: int | None = None) -> list[dict]:
     """One row per simulated system of one measured cell.
 
     Besides the prediction from the profile as taken, each row has one from the
@@ -96,7 +103,7 @@ def compare_cell(cell: Cell, run: dict) -> list[dict]:
     hosts share two cores, so a few profiled iterations vary), not the model.
     """
     profile = Profile.from_dict(run["profile"])
-    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    cluster = cluster_of(cell, profile, in_flight)
     compute_alone_s = statistics.median(run["systems"][ComputeOnly().name]["iteration_times_s"])
     calibrated = scaled_compute(profile, compute_alone_s / (profile.forward_s + profile.backward_s + profile.update_s))
     rows = []
@@ -114,7 +121,7 @@ def compare_cell(cell: Cell, run: dict) -> list[dict]:
     return rows
 
 
-def versus_best_ddp(cell: Cell, run: dict) -> dict:
+def versus_best_ddp(cell: Cell, run: dict, in_flight: int | None = None) -> dict:
     """One measured cell: commsched's default against the fastest torch DDP bucket size, and the
     layout the default kept."""
     median_s = {name: statistics.median(r["iteration_times_s"]) for name, r in run["systems"].items()
@@ -126,13 +133,14 @@ def versus_best_ddp(cell: Cell, run: dict) -> dict:
                            run["systems"][default.name].get("layout_in_use"))
     cpu = run.get("cpu") or {}
     profile = Profile.from_dict(run["profile"])
-    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    cluster = cluster_of(cell, profile, in_flight)
     _, fastest = best_strategy(profile, cluster)
     return {"model": cell.model, "hosts": cell.hosts, "gbit": cell.rate_gbit, "best_ddp": best,
             "bound_ms": bound_s(profile, cluster) * 1e3, "best_schedule_ms": fastest.iteration_s * 1e3,
             "best_ddp_ms": ddp[best] * 1e3, "commsched_ms": median_s[default.name] * 1e3,
             "compute_ms": median_s[ComputeOnly().name] * 1e3, "speedup": ddp[best] / median_s[default.name],
-            "kept": Setting.of(LayoutSetting.of(kept)).describe(), "cpu_median": cpu.get("median")}
+            "kept": Setting.of(LayoutSetting.of(kept)).describe(), "cpu_median": cpu.get("median"),
+            "link": profile.link}
 
 
 BEST_SCHEDULE_NOTE = (
@@ -152,7 +160,16 @@ def versus_markdown(cells: list[dict]) -> str:
                      f"({c['best_ddp'].removeprefix('torch DDP').lstrip(', ') or 'default'}) | "
                      f"{c['commsched_ms']:.0f} | {c['speedup']:.2f}x | {c['kept']} | {c['bound_ms']:.0f} | "
                      f"{c['best_schedule_ms']:.0f} | {c['commsched_ms'] / c['best_schedule_ms']:.2f} | {busy} |")
-    return "\n".join(lines) + "\n\n" + BEST_SCHEDULE_NOTE
+    lines += ["", BEST_SCHEDULE_NOTE,
+              "The link each cell measured (`commsched.profiling.link.measure_link`, on its hosts):", "",
+              "| model | hosts | Gbit/s | fixed cost ms | MB/s | in flight | compute slowdown | "
+              "collective slowdown |", "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        link = c["link"]
+        lines.append(f"| {c['model']} | {c['hosts']} | {c['gbit']:g} | {link.latency_s * 1e3:.1f} | "
+                     f"{link.bytes_per_s / 1e6:.1f} | {link.in_flight} | {link.compute_slowdown:.2f} | "
+                     f"{link.collective_slowdown:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -187,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/validation"))
     parser.add_argument("--from-runs", type=Path, metavar="RUNS_JSON",
                         help="simulate the cells of an earlier run's runs.json again, without measuring")
+    parser.add_argument("--in-flight", type=int, metavar="N",
+                        help="with --from-runs: simulate every cell's link running N collectives at once, "
+                             "whatever its backend runs (1: one at a time)")
     args = parser.parse_args(argv)
+    if args.in_flight is not None and not args.from_runs:
+        parser.error("--in-flight replays an earlier run: give --from-runs too")
     if args.from_runs:
         record = json.loads(args.from_runs.read_text())
-        print(report(record))
+        print(report(record, args.in_flight))
         return 0
     from commsched.bench.cluster import unavailable_reason
 
@@ -211,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(record: list[dict]) -> str:
+def report(record: list[dict], in_flight: int | None = None) -> str:
     """The simulator's errors on every system of every cell, then commsched against the best DDP."""
     cells = [(Cell(**entry["cell"]), entry["run"]) for entry in record]
-    rows = [row for cell, run in cells for row in compare_cell(cell, run)]
+    rows = [row for cell, run in cells for row in compare_cell(cell, run, in_flight)]
     return (markdown(rows) + "\nMeasured: commsched's default against the fastest torch DDP bucket size\n\n"
-            + versus_markdown([versus_best_ddp(cell, run) for cell, run in cells]))
+            + versus_markdown([versus_best_ddp(cell, run, in_flight) for cell, run in cells]))
 
 
 if __name__ == "__main__":

@@ -203,6 +203,7 @@ PLAN_REFUSALS = {
     "another version": "this profile has format version 0",
     "no model": "give MODEL to measure, or --profile FILE",
     "bad workers": "--workers must all be at least 1",
+    "bad in-flight": "--in-flight must be at least 1",
 }
 """What ``commsched plan`` refuses, and what its one line must say."""
 
@@ -224,6 +225,8 @@ def plan_refusal(tmp_path, case):
         args = ["--profile", other_version(tmp_path)]
     elif case == "no model":
         args = []
+    elif case == "bad in-flight":
+        args = ["demo-mlp", "--in-flight", "0"]
     else:
         args = ["demo-mlp", "--workers", "0"]
     return run_plan(*args, env=env)
@@ -268,12 +271,14 @@ def test_a_measured_link_carries_its_host_cost_and_slowdown_into_every_cluster()
     from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
 
     link = LinkProfile(world_size=2, samples=(LinkSample(2**16, 1e-3), LinkSample(2**20, 2e-3)),
-                       latency_s=1e-3, bytes_per_s=1e9, compute_slowdown=0.25)
+                       latency_s=1e-3, bytes_per_s=1e9, compute_slowdown=0.25, in_flight=2)
     profile = Profile("p", "cpu", 8, 1e-3, 2e-3, 1e-4, (ParameterProfile("w", 2**18, 4, 0.0, 2e-3),), link=link)
     cluster = cluster_for(profile, 16, 10.0, 25e-6, "ring", 0)
-    assert (cluster.workers, cluster.gbit_s, cluster.compute_slowdown) == (16, 10.0, 0.25)
+    assert (cluster.workers, cluster.gbit_s, cluster.compute_slowdown, cluster.in_flight) == (16, 10.0, 0.25, 2)
+    assert cluster_for(profile, 16, 10.0, 25e-6, "ring", 0, in_flight=1).in_flight == 1
     assert cluster.host_overhead_s == pytest.approx(1e-3 - 2 * 25e-6)
     plain = cluster_for(profile.with_link(None), 16, 10.0, 25e-6, "ring", 0)
-    assert (plain.compute_slowdown, plain.host_overhead_s) == (0.0, 0.0)
+    assert (plain.compute_slowdown, plain.host_overhead_s, plain.in_flight) == (0.0, 0.0, 1)
+    assert cluster_for(profile.with_link(None), 16, 10.0, 25e-6, "ring", 0, in_flight=2).in_flight == 2
     slower, faster = plan(profile, [16], [10.0]), plan(profile.with_link(None), [16], [10.0])
     assert slower[0].ddp_s > faster[0].ddp_s

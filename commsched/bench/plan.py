@@ -32,9 +32,11 @@ a profile taken on a CPU, scaled by 0.02, stands for a device 50 times faster.
 The cluster: ``--latency-us`` per hop, the ``--algorithm`` of the
 all-reduce, and no fixed host cost per collective, unless the profile carries
 a measured link (`commsched.profiling.link.profile_on_group`): then its fixed cost
-beyond the hop latency is the per-collective host cost and its measured
+beyond the hop latency is the per-collective host cost, its measured
 ``compute_slowdown`` slows computation beside communication, at every link rate
-asked for.
+asked for, and its backend says how many collectives run at once (gloo two).
+``--in-flight N`` sets that instead: 2 for gloo, 1 for NCCL ([Note: two
+collectives at once] in `commsched.simulator.wire`).
 """
 
 from __future__ import annotations
@@ -204,22 +206,25 @@ def load_profile(path: Path) -> Profile:
 
 
 def cluster_for(profile: Profile, workers: int, gbit_s: float, latency_s: float, algorithm: str,
-                servers: int) -> Cluster:
-    """The cluster of one cell; with a measured link in ``profile``, its host cost and slowdown too."""
+                servers: int, in_flight: int | None = None) -> Cluster:
+    """The cluster of one cell; with a measured link in ``profile``, its host cost, slowdown and
+    collectives in flight too (``in_flight``, where given, replaces the last)."""
     link = profile.link
     if link is not None and link.world_size >= 2 and link.bytes_per_s > 0:
         cluster = Cluster.from_link(link, workers, gbit_s, algorithm, latency_s=latency_s)
-        return dataclasses.replace(cluster, servers=servers)
-    return Cluster(workers, gbit_s, latency_s=latency_s, algorithm=algorithm, servers=servers)
+        cluster = dataclasses.replace(cluster, servers=servers)
+    else:
+        cluster = Cluster(workers, gbit_s, latency_s=latency_s, algorithm=algorithm, servers=servers)
+    return cluster if in_flight is None else dataclasses.replace(cluster, in_flight=in_flight)
 
 
 def plan(profile: Profile, workers: Sequence[int], gbits: Sequence[float], latency_s: float = 25e-6,
-         algorithm: str = "ring", servers: int = 0) -> list[PlanRow]:
+         algorithm: str = "ring", servers: int = 0, in_flight: int | None = None) -> list[PlanRow]:
     """Simulate every cell of ``workers`` x ``gbits``; see the module's docstring."""
     rows = []
     for count in workers:
         for gbit in gbits:
-            cluster = cluster_for(profile, count, gbit, latency_s, algorithm, servers)
+            cluster = cluster_for(profile, count, gbit, latency_s, algorithm, servers, in_flight)
             best, result = best_strategy(profile, cluster)
             bound = bound_s(profile, cluster)
             if servers:  # the all-reduce systems are candidates too
@@ -244,6 +249,8 @@ def check_arguments(args: Any) -> None:
         raise PlanError(f"--latency-us must be a finite number >= 0, got {args.latency_us:g}")
     if args.servers < 0:
         raise PlanError(f"--servers must be at least 0, got {args.servers}")
+    if args.in_flight is not None and args.in_flight < 1:
+        raise PlanError(f"--in-flight must be at least 1, got {args.in_flight}")
     if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
         raise PlanError(f"--compute-scale must be a finite number > 0, got {args.compute_scale:g}")
     if args.input_shape is not None and any(n < 1 for n in args.input_shape):
@@ -272,13 +279,16 @@ def run(args: Any) -> int:
             print(f"saved the profile to {args.save_profile}")
     scale = args.compute_scale
     planned = scaled_compute(profile, scale) if scale != 1 else profile
-    rows = plan(planned, args.workers, args.gbit, args.latency_us * 1e-6, args.algorithm, args.servers)
+    rows = plan(planned, args.workers, args.gbit, args.latency_us * 1e-6, args.algorithm, args.servers,
+                args.in_flight)
     servers = f", {args.servers} parameter servers" if args.servers else ""
     bound = "max(computation, one all-reduce of every gradient)"
     if args.servers:
         bound += " or, if less, max(computation without the update, the busiest server's link)"
+    in_flight = args.in_flight or (profile.link.in_flight if profile.link is not None else 1)
+    at_once = "one collective at a time" if in_flight == 1 else f"{in_flight} collectives at once"
     notes = [
-        f"Simulated: {args.algorithm} all-reduce, {args.latency_us:g} us per hop{servers}.",
+        f"Simulated: {args.algorithm} all-reduce, {args.latency_us:g} us per hop, {at_once}{servers}.",
         f"best: the fastest of strategy_space(){' on both backends' if args.servers else ''}; bound: {bound}; "
         "best vs DDP: DDP ms / best ms.",
     ]

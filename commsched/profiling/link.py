@@ -19,6 +19,11 @@ DEFAULT_LINK_SIZES = (2**16, 2**20, 2**23)
 """All-reduce sizes `measure_link` times, in bytes: 64 KiB, 1 MiB, 8 MiB."""
 
 
+IN_FLIGHT = {"gloo": 2}
+"""Collectives a backend runs at once on one process group: gloo's process group has two worker
+threads; NCCL, and any backend not named, one (see [Note: two collectives at once] in
+`commsched.simulator.wire`)."""
+
 MAX_BESIDE_COLLECTIVES = 64
 """Most all-reduces `measure_link` runs back to back beside one ``compute()`` call."""
 
@@ -44,9 +49,9 @@ def measure_link(
     of the largest size run beside it (enough back to back to cover it, at
     most `MAX_BESIDE_COLLECTIVES`) over its median time alone, minus one,
     at least 0; ``collective_slowdown`` is how much the computation slows those
-    all-reduces ([Note: slowdown of the all-reduces]). Every rank gets the same result: each figure is the largest any
-    rank measured. A rank that does not join raises `CommunicationTimeout`
-    after ``timeout_s``.
+    all-reduces ([Note: slowdown of the all-reduces]); ``in_flight`` is what the group's backend
+    runs at once (`IN_FLIGHT`). Every rank gets the same result: each figure is the largest any
+    rank measured. A rank that does not join raises `CommunicationTimeout` after ``timeout_s``.
     """
     device = torch.device(device)
     sizes = sorted({max(4, int(size)) // 4 * 4 for size in sizes_bytes})
@@ -84,6 +89,7 @@ def measure_link(
         bytes_per_s=bytes_per_s,
         compute_slowdown=slowdown,
         collective_slowdown=collective_slowdown,
+        in_flight=IN_FLIGHT.get(str(dist.get_backend(group)), 1),
     )
 
 
@@ -111,7 +117,9 @@ def _slowdowns(
 
     [Note: slowdown of the all-reduces] The all-reduces issued beside
     ``compute()`` run at a rate ``1 / (1 + y)`` while it runs and at full rate
-    after. With ``W`` their work alone (count x ``collective_s``), ``T`` the
+    after. With ``W`` their time alone (the same all-reduces issued at once
+    without the computation: as many as two run at a time where the transport
+    overlaps them, see ``in_flight``, so not count x ``collective_s``), ``T`` the
     computation's time beside them and ``total`` the time until the last one
     completes: if they finish within ``T``, ``total = W (1 + y)``; otherwise
     ``total = W + T y / (1 + y)``. Either gives ``y``.
@@ -127,20 +135,36 @@ def _slowdowns(
     alone_s = statistics.median(run_compute() for _ in range(repeats))
     alone_s = _largest_over_ranks([alone_s], group, device, timeout_s)[0]
     count = max(1, min(MAX_BESIDE_COLLECTIVES, math.ceil(alone_s / max(collective_s, 1e-9))))
-    work_s = count * collective_s
-    alone, beside, stretched = [], [], []
-    for _ in range(repeats):
-        alone.append(run_compute())
-        issued = now()
-        works = [dist.all_reduce(buffer, group=group, async_op=True) for _ in range(count)]
-        beside.append(run_compute())
+
+    def issue_all() -> list[dist.Work]:
+        return [dist.all_reduce(buffer, group=group, async_op=True) for _ in range(count)]
+
+    def wait_all(works: list[dist.Work]) -> None:
         for work in works:
             wait_or_raise(work, timeout_s, what)
-        total_s = now() - issued
-        if total_s <= beside[-1]:
+
+    def collectives_alone() -> float:
+        issued = now()
+        wait_all(issue_all())
+        return now() - issued
+
+    collectives_alone()  # warm
+    alone, collectives, beside, totals = [], [], [], []
+    for _ in range(repeats):
+        alone.append(run_compute())
+        collectives.append(collectives_alone())
+        issued = now()
+        works = issue_all()
+        beside.append(run_compute())
+        wait_all(works)
+        totals.append(now() - issued)
+    work_s = statistics.median(collectives)
+    stretched = []
+    for total_s, beside_s in zip(totals, beside, strict=True):
+        if total_s <= beside_s:
             stretched.append(total_s / max(work_s, 1e-12) - 1.0)
         else:
-            share = min(0.95, max(0.0, (total_s - work_s) / max(beside[-1], 1e-12)))
+            share = min(0.95, max(0.0, (total_s - work_s) / max(beside_s, 1e-12)))
             stretched.append(share / (1.0 - share))
     ratio = statistics.median(beside) / max(statistics.median(alone), 1e-12) - 1.0
     compute_slowdown, collective_slowdown = _largest_over_ranks(

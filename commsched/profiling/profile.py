@@ -79,6 +79,9 @@ class LinkProfile:
     collective_slowdown: float = 0.0
     """An all-reduce with computation beside it takes ``1 + collective_slowdown`` times as long
     (where the transport needs the host's cores, as gloo over TCP does, computation slows it)."""
+    in_flight: int = 1
+    """Collectives the transport runs at once: gloo 2 (one per worker thread of its process group),
+    NCCL 1 (one stream); see [Note: two collectives at once] in `commsched.simulator.wire`."""
 
     def duration_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
@@ -150,6 +153,7 @@ class Profile:
                     latency_s=float(link["latency_s"]), bytes_per_s=float(link["bytes_per_s"]),
                     compute_slowdown=float(link.get("compute_slowdown", 0.0)),
                     collective_slowdown=float(link.get("collective_slowdown", 0.0)),
+                    in_flight=int(link.get("in_flight", 1)),
                 ),
                 version=version,
             )

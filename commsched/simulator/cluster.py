@@ -43,6 +43,9 @@ class Cluster:
     collective_slowdown: float = 0.0
     """A collective issued while the worker computes takes ``1 + collective_slowdown`` times as
     long on the wire (a transport that needs the host's cores, as gloo over TCP does)."""
+    in_flight: int = 1
+    """All-reduces the transport runs at once, the younger in the older's gaps (gloo 2, NCCL 1);
+    see [Note: two collectives at once] in `commsched.simulator.wire`."""
 
     def __post_init__(self) -> None:
         _check_count("workers", self.workers, 1)
@@ -55,6 +58,7 @@ class Cluster:
                 math.isfinite(value) and value >= 0
             ):
                 raise ValueError(f"Cluster.{name} must be a finite number >= 0, got {value!r}")
+        _check_count("in_flight", self.in_flight, 1)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"Cluster.algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
                              f"got {self.algorithm!r}")
@@ -113,7 +117,7 @@ class Cluster:
         return cls(
             workers=workers, gbit_s=rate_gbit if gbit_s is None else gbit_s, latency_s=alpha, algorithm=algorithm,
             host_overhead_s=max(0.0, link.latency_s - hops * alpha), compute_slowdown=link.compute_slowdown,
-            collective_slowdown=link.collective_slowdown,
+            collective_slowdown=link.collective_slowdown, in_flight=link.in_flight,
         )
 
     def link_profile(self, sizes: Sequence[int] = LINK_SAMPLE_BYTES) -> LinkProfile:
@@ -129,12 +133,14 @@ class Cluster:
             bytes_per_s=math.inf if per_byte <= 0 else 1 / per_byte,
             compute_slowdown=self.compute_slowdown,
             collective_slowdown=self.collective_slowdown,
+            in_flight=self.in_flight,
         )
 
     def describe(self) -> str:
         servers = f", {self.servers} server(s)" if self.servers else ""
+        pairs = "" if self.in_flight == 1 else f", {self.in_flight} at once"
         return (f"{self.workers} workers at {self.gbit_s:g} Gbit/s ({self.algorithm}{servers}, "
-                f"{self.latency_s * 1e6:g} us per hop, {self.host_overhead_s * 1e6:g} us per collective)")
+                f"{self.latency_s * 1e6:g} us per hop, {self.host_overhead_s * 1e6:g} us per collective{pairs})")
 
 
 def _check_count(name: str, value: object, low: int) -> None:

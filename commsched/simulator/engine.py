@@ -19,6 +19,7 @@ from commsched.layout.placement import place_blocks, server_block_bytes
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.simulator.spec import DDPConfig, SimModel, SimResult, model_of
+from commsched.simulator.wire import Flight, Wire
 from commsched.strategy import Strategy
 
 
@@ -44,6 +45,10 @@ class _System:
     unit_after_s: tuple[float, ...]
     """Time from the end of a unit's wire time to its completion (a server's update)."""
     resources: int
+    unit_share: tuple[float, ...]
+    """How much of its link a unit keeps busy alone: its wire time over its whole time."""
+    in_flight: int
+    """Units a link runs at once (`commsched.simulator.wire`): the all-reduce link's; servers' links one."""
     credit_bytes: int | None
     overlap: bool
     update_all_at_once: bool
@@ -96,9 +101,20 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         unit_bytes=tuple(u.nbytes for u in units),
         unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
         unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
-        resources=max(1, servers), credit_bytes=credit, overlap=overlap,
+        unit_share=tuple(_wire_share(cluster, u.nbytes, servers) for u in units),
+        resources=max(1, servers), in_flight=1 if servers else cluster.in_flight, credit_bytes=credit,
+        overlap=overlap,
         update_all_at_once=isinstance(system, DDPConfig),
     )
+
+
+def _wire_share(cluster: Cluster, nbytes: int, servers: int) -> float:
+    """The share of its whole time a collective of ``nbytes`` keeps the link busy: the rest is its
+    fixed cost, the gaps a collective beside it can use ([Note: two collectives at once])."""
+    if servers:
+        return 1.0  # one at a time: no other collective shares a server's link
+    whole = cluster.allreduce_s(nbytes)
+    return (whole - cluster.allreduce_s(0)) / whole if whole > 0 else 0.0
 
 
 def _strategy_name(strategy: Strategy) -> str:
@@ -159,27 +175,24 @@ def _program(model: SimModel, system: _System, iterations: int) -> list[tuple]:
 
 
 # ------------------------------------------------------------------ the engine
-_START, _END_WIRE, _DONE, _END_AND_DONE = range(4)
+_WIRE, _DONE = range(2)
 
 
 class _Run:
-    """One simulation: the clock, the links, and per iteration its dispatcher (ready units, credit)."""
+    """One simulation: the clock, the wires, and per iteration its dispatcher (ready units, credit)."""
 
     def __init__(self, system: _System, cluster: Cluster, iterations: int):
         self.s = system
         self.slow = 1.0 + cluster.compute_slowdown
         self.stretch = 1.0 + cluster.collective_slowdown
-        self.computing = True
-        """The worker is computing, not waiting for the link: the wire runs ``stretch`` times slower."""
-        self.wire_start: dict[tuple[int, int], float] = {}
-        self.wire_end: dict[tuple[int, int], float] = {}
-        """Per (iteration, unit) issued: when its time on the wire starts and ends, as scheduled now."""
+        self.speed = 1.0 / self.stretch
+        """The wires' rate now: slower while the worker computes, full while it waits for them."""
+        self.wires = [Wire(system.in_flight) for _ in range(system.resources)]
+        self.on_wire: dict[tuple[int, int], tuple[float, float]] = {}
+        """Per (iteration, unit) off the wire: when it got its place on the wire and when it left."""
         self.t = 0.0
         self.events: list[tuple] = []
         self.seq = 0
-        self.active = 0
-        """Units on the wire now: computation beside them is stretched."""
-        self.free_at = [0.0] * system.resources
         units_of: list[list[int]] = [[] for _ in system.bucket_ready_s]
         for u, b in enumerate(system.unit_bucket):
             units_of[b].append(u)
@@ -192,9 +205,21 @@ class _Run:
         self.all_ready = [False] * iterations
 
     # ---------------------------------------------------------- the link
-    def _push(self, time: float, kind: int, it: int, unit: int) -> None:
+    def _push(self, time: float, kind: int, a: int, b: int) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (time, self.seq, kind, it, unit))
+        heapq.heappush(self.events, (time, self.seq, kind, a, b))
+
+    def _schedule(self, r: int) -> None:
+        """Schedule wire ``r``'s next completion as things stand (any earlier one is now stale)."""
+        wire = self.wires[r]
+        finish = wire.next_finish(self.speed)
+        if finish is not None:
+            self._push(finish[0], _WIRE, r, wire.version)
+
+    @property
+    def active(self) -> bool:
+        """A unit is on the wire: computation beside it is stretched."""
+        return any(wire.flights for wire in self.wires)
 
     def pump(self, it: int) -> None:
         """Issue every ready unit of iteration ``it`` the window allows, most urgent first.
@@ -211,39 +236,35 @@ class _Run:
                     and self.in_flight_bytes[it] + s.unit_bytes[u] > credit):
                 return
             heapq.heappop(heap)
-            r, wire, after = s.unit_resource[u], s.unit_wire_s[u], s.unit_after_s[u]
-            if self.computing:  # at this rate for now; `_set_computing` re-times it when that changes
-                wire *= self.stretch
-            start = max(self.t, self.free_at[r])
-            end = start + wire
-            self.free_at[r] = end
-            self.wire_end[it, u] = end
-            self.wire_start[it, u] = start
+            r = s.unit_resource[u]
             self.in_flight[it] += 1
             self.in_flight_bytes[it] += s.unit_bytes[u]
-            if wire > 0:
-                self._push(start, _START, it, u)
-                if after > 0:
-                    self._push(end, _END_WIRE, it, u)
-                    self._push(end + after, _DONE, it, u)
-                else:
-                    self._push(end, _END_AND_DONE, it, u)
-            else:
-                self._push(end + after, _DONE, it, u)
+            wire = self.wires[r]
+            wire.progress(self.t, self.speed)
+            wire.add(Flight((it, u), s.unit_wire_s[u], s.unit_share[u]))
+            self._schedule(r)
 
     def advance(self, until: float) -> None:
         """Handle every event up to ``until`` (the clock must already be there)."""
-        events = self.events
+        events, s = self.events, self.s
         while events and events[0][0] <= until:
-            _, _, kind, it, u = heapq.heappop(events)
-            if kind == _START:
-                self.active += 1
-                continue
-            if kind != _DONE:
-                self.active -= 1
-                if kind == _END_WIRE:
+            time, _, kind, a, b = heapq.heappop(events)
+            if kind == _WIRE:
+                wire = self.wires[a]
+                if b != wire.version:
+                    continue  # the wire changed since: a later event stands for it
+                wire.progress(time, self.speed)
+                finish = wire.next_finish(self.speed)
+                assert finish is not None, "a wire completion with nothing on the wire (a bug in the engine)"
+                flight = wire.finish(finish[1])
+                self.on_wire[flight.key] = (flight.since_s, time)
+                self._schedule(a)
+                it, u = flight.key
+                if s.unit_after_s[u] > 0:
+                    self._push(time + s.unit_after_s[u], _DONE, it, u)
                     continue
-            s = self.s
+            else:
+                it, u = a, b
             self.in_flight[it] -= 1
             self.in_flight_bytes[it] -= s.unit_bytes[u]
             self.left[it][s.unit_bucket[u]] -= 1
@@ -252,11 +273,19 @@ class _Run:
                 self.pump(it)
 
     def link_busy_s(self, it: int) -> float:
-        """The busiest resource's time on the wire for iteration ``it``'s units, as scheduled."""
-        busy = [0.0] * self.s.resources
-        for (of, u), end in self.wire_end.items():
+        """The busiest resource's time with one of iteration ``it``'s units on the wire."""
+        spans: list[list[tuple[float, float]]] = [[] for _ in self.wires]
+        for (of, u), span in self.on_wire.items():
             if of == it:
-                busy[self.s.unit_resource[u]] += end - self.wire_start[of, u]
+                spans[self.s.unit_resource[u]].append(span)
+        busy = []
+        for intervals in spans:
+            total, reached = 0.0, -math.inf
+            for start, end in sorted(intervals):
+                if end > reached:
+                    total += end - max(start, reached)
+                    reached = end
+            busy.append(total)
         return max(busy)
 
     def mark_ready(self, it: int, bucket: int) -> None:
@@ -296,41 +325,25 @@ class _Run:
         self._set_computing(True)
         return self.t - began
 
+    def drain(self, it: int) -> None:
+        """Run the wires, at their rate now, until every unit of iteration ``it`` is off them (after the
+        last iteration: what it left on the wire counts in its link time)."""
+        while self.left_total[it] and self.events:
+            self.t = max(self.t, self.events[0][0])
+            self.advance(self.t)
+
     def _set_computing(self, computing: bool) -> None:
-        """The worker starts or stops computing at ``t``: the wire's rate changes from then on.
-
-        Units on a resource run back to back from its head, so every wire time
-        still ahead (of the head and of the units queued behind it) scales by
-        the ratio of the rates, from ``t`` on; what follows a unit's wire time
-        (a server's update) does not.
-        """
-        if computing == self.computing:
+        """The worker starts or stops computing at ``t``: the wires' rate changes from then on."""
+        speed = 1.0 / self.stretch if computing else 1.0
+        if speed == self.speed:
             return
-        self.computing = computing
-        if self.stretch == 1.0:
-            return
-        t = self.t
-        k = self.stretch if computing else 1.0 / self.stretch
-
-        def later(at: float) -> float:
-            return t + (at - t) * k if at > t else at
-
-        ends, starts = self.wire_end, self.wire_start
-        for key, end in ends.items():
-            if end > t:
-                ends[key] = later(end)
-                starts[key] = later(starts[key])
-        after = self.s.unit_after_s
-        events = []
-        for time, seq, kind, it, u in self.events:
-            if kind == _DONE:
-                time = ends[it, u] + after[u]
-            else:
-                time = later(time)
-            events.append((time, seq, kind, it, u))
-        heapq.heapify(events)
-        self.events = events
-        self.free_at = [later(at) for at in self.free_at]
+        self.advance(self.t)
+        for wire in self.wires:
+            wire.progress(self.t, self.speed)
+            wire.version += 1
+        self.speed = speed
+        for r in range(len(self.wires)):
+            self._schedule(r)
 
 
 def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, iterations: int = 4) -> SimResult:
@@ -379,6 +392,7 @@ def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, i
             plain = 0.0
     iteration_s = run.t - started
     compute_s = sum(phases)
+    run.drain(current)
     return SimResult(
         iteration_s=iteration_s, compute_s=compute_s, link_busy_s=run.link_busy_s(current),
         exposed_s=max(0.0, iteration_s - compute_s), collectives=len(compiled.unit_bucket),
@@ -388,9 +402,12 @@ def simulate(profile: Profile, cluster: Cluster, system: Strategy | DDPConfig, i
 
 
 def bound_s(profile: Profile, cluster: Cluster) -> float:
-    """No system is faster: max(computation alone, the link time every gradient needs).
+    """The bench's bound: max(computation alone, the link time every gradient needs).
 
-    All-reduce: one all-reduce of every gradient. With ``cluster.servers``: as
+    All-reduce: one all-reduce of every gradient. No system is faster where the
+    link runs one collective at a time (``cluster.in_flight`` 1); where it runs
+    two, as gloo does, smaller collectives at once can be, each filling the
+    other's gaps ([Note: two collectives at once]). With ``cluster.servers``: as
     `commsched.bench.grid` defines it, the busiest server link, each worker's
     copy of that server's bytes in and out at the link rate (taken perfectly
     balanced), against the worker's computation without the update (the

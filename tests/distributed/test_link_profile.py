@@ -57,6 +57,9 @@ def test_the_link_of_two_ranks(shared_ranks):
         # The line passes near the largest sample (within a factor of two either way).
         assert 0.5 < link.duration_s(SIZES[-1]) / link.samples[-1].seconds < 2.0
 
+    def gloo_runs_two_at_once():
+        assert first["link"].in_flight == 2
+
     def a_slowdown_that_is_never_negative():
         assert 0.0 <= first["link"].compute_slowdown < 100.0
         assert 0.0 <= first["link"].collective_slowdown <= 19.0  # see [Note: slowdown of the all-reduces]
