@@ -4,18 +4,26 @@
 at once (one per worker thread), and a ring all-reduce among many hosts leaves
 the link idle for part of its time: between its 2 (N - 1) steps, each a hop's
 latency, and while the hosts do their share of the work. A second collective
-uses those gaps. At 8 emulated hosts on a 0.5 Gbit/s link (an all-reduce there
-is about 16 ms of fixed cost and 29 ms per MiB on the wire):
+uses those gaps. At 8 emulated hosts on a 0.5 Gbit/s link
+(`benchmarks/two_in_flight.py`: an all-reduce there is 14.5 ms of fixed cost
+and 29.1 ms per MiB), until the younger of two issued together is done:
 
-| issued together             | measured                 | this model |
-|-----------------------------|--------------------------|------------|
-| two 1 MiB all-reduces       | 59 ms (one alone: 45 ms) | 65 ms      |
-| 1 MiB right behind 1.56 MiB | 79 ms until the 1 MiB    | 81 ms      |
-| 1 MiB right behind 5.49 MiB | 197 ms until the 1 MiB   | 195 ms     |
+| older, younger         | measured | this model | one at a time |
+|------------------------|----------|------------|---------------|
+| 1 MiB, 1 MiB           | 61.5 ms  | 65.5 ms    | 87.3 ms       |
+| 1.56 MiB, 1 MiB        | 76.9 ms  | 81.8 ms    | 103.6 ms      |
+| 2.25 MiB, 1 MiB        | 97.7 ms  | 101.9 ms   | 123.7 ms      |
+| 5.49 MiB, 1 MiB        | 198.0 ms | 196.2 ms   | 218.0 ms      |
+| 9 MiB, 1 MiB           | 310.2 ms | 298.4 ms   | 320.2 ms      |
+| 9 MiB, 64 KiB          | 237.6 ms | 34.6 ms    | 292.9 ms      |
 
 Taking them one at a time, as the simulator once did, priced torch DDP with
-1 MiB buckets at 8 hosts 22-34% too slow; taking a fixed share of overlap for
-every pair could not give both the second and the third line.
+1 MiB buckets on VGG16 and ResNet-50 at 8 hosts 8-37% too slow; a fixed share of overlap for every
+pair cannot give both the first lines and the fifth. What this model misses
+is the last line: a small collective right behind a large one waits for
+most of it (presumably its messages queue on the same connections behind
+the large one's), where the model lets it through in the large one's gaps; that is
+why it prices GPT-2 (large layers, small ones between) too fast at 8 hosts.
 
 The model: a collective of fixed cost ``F`` and wire time ``W`` alone
 (``F + W`` in all) keeps the link busy a share ``u = W / (F + W)`` of its
