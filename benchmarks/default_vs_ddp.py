@@ -8,7 +8,8 @@ For each profile (the committed VGG16 and ResNet-50 ones, their compute scaled t
 an accelerator's, and GPT-2 small from its FLOPs; `commsched.bench.emulated`),
 number of workers, link rate and per-hop latency (with ``--emulated``: the bench's
 emulated workloads as they run, at 2-16 hosts, 0.25-1 Gbit/s, 0.1 and 1 ms per
-hop, what the emulated links' all-reduces measure), the simulator times torch DDP
+hop, what the emulated links' all-reduces measure, two collectives in flight as
+gloo runs them), the simulator times torch DDP
 at each bucket size of `DDP_BUCKETS_MB` and commsched's default `Strategy()` as
 a run adopts it (`commsched.simulator.adoption.as_run`: the cost model's choice,
 kept only if the simulator finds it faster than whole buckets, as a run measures).
@@ -39,11 +40,12 @@ per worker, by published throughput); GPT-2 small is already an accelerator's.""
 
 
 ACCELERATOR_DEFAULTS = {"profiles": list(PROFILES), "workers": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
-                        "gbit": [1.0, 10.0, 25.0, 100.0], "latency_us": [5.0, 25.0]}
+                        "gbit": [1.0, 10.0, 25.0, 100.0], "latency_us": [5.0, 25.0], "in_flight": 1}
 EMULATED_DEFAULTS = {"profiles": list(EMULATED_WORKLOADS), "workers": [2, 4, 8, 16], "gbit": [0.25, 0.5, 1.0],
-                     "latency_us": [100.0, 1000.0]}
-"""The emulated hosts: their links' rates, and per hop of the ring the fixed cost their all-reduces
-measure (about 1 ms at 16 hosts on 2 cores; less where the cores are idle)."""
+                     "latency_us": [100.0, 1000.0], "in_flight": 2}
+"""The emulated hosts: their links' rates, per hop of the ring the fixed cost their all-reduces
+measure (about 1 ms at 16 hosts on 2 cores; less where the cores are idle), and gloo's two
+collectives in flight."""
 
 
 def profile_named(name: str) -> Profile:
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--gbit", type=float, nargs="+")
     parser.add_argument("--latency-us", type=float, nargs="+")
     parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    parser.add_argument("--in-flight", type=int,
+                        help="collectives the link runs at once (default 1, NCCL; with --emulated 2, gloo)")
     parser.add_argument("--json", type=Path, help="write every cell here")
     args = parser.parse_args()
     defaults = EMULATED_DEFAULTS if args.emulated else ACCELERATOR_DEFAULTS
@@ -77,7 +81,7 @@ def main() -> None:
         profile = profile_named(name)
         worst = None
         for workers, gbit, latency_us, algorithm in cells(args.workers, args.gbit, args.latency_us, args.algorithm):
-            cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm)
+            cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm, in_flight=args.in_flight)
             ddp = {mb: simulate(profile, cluster, DDPConfig.like_torch(mb)).iteration_s for mb in DDP_BUCKETS_MB}
             best_mb = min(ddp, key=ddp.get)
             adopted = as_run(Strategy(), profile, cluster)
