@@ -8,7 +8,7 @@ saw it: one all-reduce alone of each size, and pairs issued back to back, the
 older first: the time until the younger completes and until both have. The
 first round is not measured; medians over the others.
 
-Beside each pair: what `commsched.simulator.wire.Wire` predicts from the
+Beside each pair: what `commsched.planning.wire.Wire` predicts from the
 sizes alone, with the fixed cost and the per-MiB wire time of a line fitted
 through the measured all-reduces alone ([Note: two collectives at once]), and
 what taking them one at a time would give.
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from commsched.planning.wire import Flight, Wire
 from commsched.profiling.profile import fit_link
-from commsched.simulator.wire import Flight, Wire
 from commsched.strategy import MIB
 
 ALONE_MIB = (0.0625, 1.0, 2.25, 9.0)

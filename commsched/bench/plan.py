@@ -36,7 +36,7 @@ beyond the hop latency is the per-collective host cost, its measured
 ``compute_slowdown`` slows computation beside communication, at every link rate
 asked for, and its backend says how many collectives run at once (gloo two).
 ``--in-flight N`` sets that instead: 2 for gloo, 1 for NCCL ([Note: two
-collectives at once] in `commsched.simulator.wire`).
+collectives at once] in `commsched.planning.wire`).
 """
 
 from __future__ import annotations

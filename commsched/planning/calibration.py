@@ -6,6 +6,7 @@ profiled backward pass, where memory is lowest.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from commsched.comm.two_step import SecondSteps, TwoStepAllReduce
 from commsched.errors import wait_or_raise
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.schedule import LinkModel
+from commsched.profiling.link import IN_FLIGHT
 from commsched.profiling.profile import fit_link
 
 CALIBRATION_BYTES = 8 * 2**20
@@ -73,7 +75,9 @@ def measure_link(
     host's work and the link's latency), often well above a one-element round
     trip, and never taken below ``latency_s``, that round trip. Also returns the
     CPU time this process spends per second of the larger all-reduce (see
-    `Timeline.transport_cpu_share`). The sizes take turns, after one untimed
+    `Timeline.transport_cpu_share`), and the collectives the transport runs at once
+    (`commsched.profiling.link.IN_FLIGHT`: gloo two, on gradients in host memory).
+    The sizes take turns, after one untimed
     all-reduce each (the first of a size sets up the transport's buffers), so
     that a slow spell of the host slows both alike; see `link_from_samples`.
     """
@@ -85,7 +89,9 @@ def measure_link(
         _timed_all_reduce(buffer, group, timeout_s, what)
     samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
                for _ in range(CALIBRATION_REPEATS)]
-    return link_from_samples(sizes, samples, latency_s)
+    link, cpu_share = link_from_samples(sizes, samples, latency_s)
+    in_flight = IN_FLIGHT.get(str(dist.get_backend(group)), 1) if device.type == "cpu" else 1
+    return dataclasses.replace(link, in_flight=in_flight), cpu_share
 
 
 def link_from_samples(

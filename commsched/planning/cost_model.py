@@ -283,8 +283,7 @@ def predict(
         computing_until = end_of_backward
     wait = max(0.0, wait)
     beside_compute = sum(
-        _overlap(schedule.finish_s[p.pid] - timeline.link.duration_s(p.nbytes), schedule.finish_s[p.pid],
-                 end_of_backward, wait, computing_until)
+        _overlap(schedule.start_s[p.pid], schedule.finish_s[p.pid], end_of_backward, wait, computing_until)
         for p in partitions
     )
     cpu_share = min(1.0, max(0.0, timeline.transport_cpu_share))

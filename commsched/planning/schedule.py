@@ -11,22 +11,29 @@ pass keeps its place (the rest waits behind the urgent buckets).
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commsched.layout.partitions import Partition
+from commsched.planning.wire import Flight, Wire
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """How long one all-reduce of ``n`` bytes takes: ``latency_s + n / bytes_per_s``."""
+    """How long one all-reduce of ``n`` bytes takes alone: ``latency_s + n / bytes_per_s``; and how many
+    the transport runs at once, the younger in the older's gaps (see `commsched.planning.wire`)."""
 
     latency_s: float
     bytes_per_s: float
+    in_flight: int = 1
 
     def duration_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
+
+    def wire_share(self, nbytes: int) -> float:
+        """The share of its time alone an all-reduce of ``nbytes`` keeps the link busy."""
+        whole = self.duration_s(nbytes)
+        return nbytes / self.bytes_per_s / whole if whole > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,8 @@ class SimulatedSchedule:
     finish_s: dict[int, float]
     """When each partition's reduction completes, relative to the first ready bucket."""
     start_s: dict[int, float]
-    """When each partition gets the link (issued, and every earlier one done)."""
+    """When each partition gets the link (issued, and a place on it: with one collective in flight,
+    every earlier one done)."""
 
 
 def simulate_schedule(
@@ -47,7 +55,8 @@ def simulate_schedule(
     by_priority: bool,
 ) -> SimulatedSchedule:
     """Replay one backward pass: buckets become ready at ``bucket_ready_s``, the link
-    reduces one partition at a time, and whenever credit allows the most urgent
+    reduces one partition at a time (or ``link.in_flight`` at once, see
+    `commsched.planning.wire`), and whenever credit allows the most urgent
     ready partition (or the oldest, without priority) is issued.
 
     After the last bucket is ready nothing more can overtake, so the window no
@@ -63,8 +72,9 @@ def simulate_schedule(
     order: list[int] = []
     finish: dict[int, float] = {}
     start_on_link: dict[int, float] = {}
-    in_flight: deque[tuple[float, int]] = deque()  # (finish time, bytes)
+    in_flight: list[tuple[float, int]] = []  # a heap of (finish time, bytes)
     in_flight_bytes, link_free_at, now, next_arrival = 0, 0.0, 0.0, 0
+    wire = Wire(link.in_flight) if link.in_flight > 1 else None
 
     while len(order) < len(partitions):
         while next_arrival < len(arrivals) and bucket_ready_s[arrivals[next_arrival].bucket] <= now:
@@ -72,7 +82,7 @@ def simulate_schedule(
             heapq.heappush(ready, (rank(p), p.pid, p))
             next_arrival += 1
         while in_flight and in_flight[0][0] <= now:
-            in_flight_bytes -= in_flight.popleft()[1]
+            in_flight_bytes -= heapq.heappop(in_flight)[1]
         issued = False
         while ready:
             p = ready[0][2]
@@ -83,11 +93,15 @@ def simulate_schedule(
             if not window_open:
                 break
             heapq.heappop(ready)
-            start = max(now, link_free_at)
-            start_on_link[p.pid] = start
-            link_free_at = start + link.duration_s(p.nbytes)
-            finish[p.pid] = link_free_at
-            in_flight.append((link_free_at, p.nbytes))
+            if wire is None:
+                start = max(now, link_free_at)
+                link_free_at = end = start + link.duration_s(p.nbytes)
+            else:
+                wire.advance(now)
+                wire.add(Flight((0, p.pid), link.duration_s(p.nbytes), link.wire_share(p.nbytes)))
+                start, end = wire.when_done((0, p.pid))
+            start_on_link[p.pid], finish[p.pid] = start, end
+            heapq.heappush(in_flight, (end, p.nbytes))
             in_flight_bytes += p.nbytes
             order.append(p.pid)
             issued = True

@@ -22,7 +22,7 @@ DEFAULT_LINK_SIZES = (2**16, 2**20, 2**23)
 IN_FLIGHT = {"gloo": 2}
 """Collectives a backend runs at once on one process group: gloo's process group has two worker
 threads; NCCL, and any backend not named, one (see [Note: two collectives at once] in
-`commsched.simulator.wire`)."""
+`commsched.planning.wire`)."""
 
 MAX_BESIDE_COLLECTIVES = 64
 """Most all-reduces `measure_link` runs back to back beside one ``compute()`` call."""

@@ -81,7 +81,7 @@ class LinkProfile:
     (where the transport needs the host's cores, as gloo over TCP does, computation slows it)."""
     in_flight: int = 1
     """Collectives the transport runs at once: gloo 2 (one per worker thread of its process group),
-    NCCL 1 (one stream); see [Note: two collectives at once] in `commsched.simulator.wire`."""
+    NCCL 1 (one stream); see [Note: two collectives at once] in `commsched.planning.wire`."""
 
     def duration_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s

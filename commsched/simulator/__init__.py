@@ -32,7 +32,7 @@ launch):
 - collectives at once: an all-reduce link runs up to ``in_flight`` at once
   (gloo 2, NCCL 1), the oldest at full rate and each younger one in the gaps
   the older leave (a collective's fixed cost, during which it does not use the
-  link); see [Note: two collectives at once] in `commsched.simulator.wire`.
+  link); see [Note: two collectives at once] in `commsched.planning.wire`.
   Parameter servers' links carry one at a time.
 
 *Computation*, per iteration: the forward pass reads parameter p first at

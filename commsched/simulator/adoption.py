@@ -28,7 +28,7 @@ def cost_model_choice(strategy: Strategy, profile: Profile, cluster: Cluster) ->
     """The cost model's choice for ``strategy`` on ``profile``'s timeline and ``cluster``'s link."""
     params = meta_parameters(profile)
     measured = cluster.link_profile()  # what measuring the cluster's all-reduce would give
-    link = LinkModel(latency_s=measured.latency_s, bytes_per_s=measured.bytes_per_s)
+    link = LinkModel(latency_s=measured.latency_s, bytes_per_s=measured.bytes_per_s, in_flight=cluster.in_flight)
     timeline = Timeline(
         slot_ready_s=tuple(p.ready_s for p in profile.parameters),
         forward_s=profile.forward_s,

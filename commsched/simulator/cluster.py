@@ -45,7 +45,7 @@ class Cluster:
     long on the wire (a transport that needs the host's cores, as gloo over TCP does)."""
     in_flight: int = 1
     """All-reduces the transport runs at once, the younger in the older's gaps (gloo 2, NCCL 1);
-    see [Note: two collectives at once] in `commsched.simulator.wire`."""
+    see [Note: two collectives at once] in `commsched.planning.wire`."""
 
     def __post_init__(self) -> None:
         _check_count("workers", self.workers, 1)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.placement import place_blocks, server_block_bytes
+from commsched.planning.wire import Flight, Wire
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.simulator.spec import DDPConfig, SimModel, SimResult, model_of
-from commsched.simulator.wire import Flight, Wire
 from commsched.strategy import Strategy
 
 
@@ -48,7 +48,7 @@ class _System:
     unit_share: tuple[float, ...]
     """How much of its link a unit keeps busy alone: its wire time over its whole time."""
     in_flight: int
-    """Units a link runs at once (`commsched.simulator.wire`): the all-reduce link's; servers' links one."""
+    """Units a link runs at once (`commsched.planning.wire`): the all-reduce link's; servers' links one."""
     credit_bytes: int | None
     overlap: bool
     update_all_at_once: bool

@@ -39,6 +39,7 @@ fill. Every rate is also slowed while the worker computes
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -113,3 +114,28 @@ class Wire:
             self.flights.append(following)
         self.version += 1
         return done
+
+    def advance(self, t: float, speed: float = 1.0) -> None:
+        """Run the wire to ``t`` at ``speed``: flights done by then leave it, each at its time."""
+        while (upcoming := self.next_finish(speed)) is not None and upcoming[0] <= t:
+            self.progress(upcoming[0], speed)
+            self.finish(upcoming[1])
+        self.progress(t, speed)
+
+    def when_done(self, key: tuple[int, int]) -> tuple[float, float]:
+        """When flight ``key`` gets its place and when it finishes, at full speed. Exact however many are
+        issued after it: a flight's rate depends only on the older ones."""
+        ahead = Wire(self.places)
+        ahead.at = self.at
+        ahead.flights = [dataclasses.replace(flight) for flight in self.flights]
+        for flight in self.queue:  # those behind it change nothing for it
+            ahead.queue.append(dataclasses.replace(flight))
+            if flight.key == key:
+                break
+        while True:
+            upcoming = ahead.next_finish(1.0)
+            assert upcoming is not None, f"{key} is not on this wire"
+            ahead.progress(upcoming[0], 1.0)
+            done = ahead.finish(upcoming[1])
+            if done.key == key:
+                return done.since_s, upcoming[0]
