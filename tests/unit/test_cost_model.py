@@ -87,6 +87,23 @@ def test_many_hosts_get_larger_buckets():
         assert "whole buckets of 100 MiB, the first too" in choice.reason
 
 
+def test_collectives_in_flight_make_partitions_pay_among_many_hosts():
+    """8 emulated hosts' link: 20 ms of fixed cost, 29 ms per MiB. One collective at a time, 1 MiB
+    partitions pay 16 fixed costs one after the other and whole 5 MiB buckets win; two in flight
+    (gloo), each runs in the other's gaps and the configured partitions win, their predicted wait
+    halved ([Note: two collectives at once])."""
+    params = layers(count=16)
+    predictions = {}
+    for in_flight, expected in ((1, Setting(None, None, 5.0, 1.0)), (2, CONFIGURED)):
+        link = LinkModel(latency_s=0.02, bytes_per_s=36e6, in_flight=in_flight)
+        choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link))
+        assert choice.setting == expected, choice.reason
+        predictions[in_flight] = {p.setting: p for p in choice.predictions}
+    assert predictions[2][CONFIGURED].wait_s < predictions[1][CONFIGURED].wait_s / 2
+    # Whole buckets are one collective each at the end of backward: nothing beside them to overlap.
+    assert predictions[2][WHOLE].wait_s == predictions[1][WHOLE].wait_s
+
+
 def test_a_fast_link_gets_fewer_collectives():
     """Communication hides behind compute anyway: fewer collectives cost less, down to one
     bucket without the small first one. (Whole buckets put the first layers' gradients into one

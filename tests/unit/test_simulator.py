@@ -276,13 +276,14 @@ def test_fifo_whole_buckets_without_overlap_is_ddp():
         assert ours.iteration_s < theirs.iteration_s <= ours.iteration_s + with_updates.update_s
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 @pytest.mark.parametrize("priority, credit_mb", [(True, 2.0), (True, None), (False, 2.0), (True, 0.5)])
-def test_issue_rules_mirror_simulate_schedule(priority, credit_mb):
+def test_issue_rules_mirror_simulate_schedule(priority, credit_mb, in_flight):
     """One backward pass without contention: every bucket reduced when `simulate_schedule` says. Read off
     the next forward pass's stalls (each bucket's first use waits for its last partition), rebuilt here."""
     # the backward pass ends after its last gradient: the flags bucket is held until then
     profile = dataclasses.replace(balanced_profile(update_s=0.0), backward_s=0.12)
-    cluster = Cluster(4, 3.0, latency_s=1e-4)
+    cluster = Cluster(4, 3.0, latency_s=1e-4, host_overhead_s=2e-3, in_flight=in_flight)
     strategy = Strategy(priority=priority, credit_mb=credit_mb, partition_mb=1.0, adaptive=False)
     result = simulate(profile, cluster, strategy, iterations=2)
 
@@ -294,7 +295,7 @@ def test_issue_rules_mirror_simulate_schedule(priority, credit_mb):
     flags = next(b for b, bucket in enumerate(slots) if order[0] in bucket)
     ready = [profile.backward_s if b == flags else max(profile.parameters[s].ready_s for s in bucket)
              for b, bucket in enumerate(slots)]
-    link = LinkModel(cluster.allreduce_s(0), cluster.bytes_per_s * 4 / (2 * 3))
+    link = LinkModel(cluster.allreduce_s(0), cluster.bytes_per_s * 4 / (2 * 3), in_flight)
     schedule = simulate_schedule(parts, ready, link, strategy.credit_bytes, priority)
     done = [max(schedule.finish_s[p.pid] for p in parts if p.bucket == b) for b in range(len(slots))]
     gates = sorted(range(len(slots)), key=lambda b: (min(profile.parameters[s].first_use_s for s in slots[b]), b))
