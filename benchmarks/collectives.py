@@ -38,7 +38,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,18 +151,11 @@ def worker(config_path: Path, out_path: Path) -> None:
 
 def on_cluster(hosts: int, rate_gbit: float, sizes_mib: list[float], rounds: int, timeout_s: float) -> dict:
     """`time_on_rank` on a fresh cluster of ``hosts`` with links of ``rate_gbit``."""
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
+    from commsched.bench.cluster import LinkSpec, run_script_on_hosts
 
-    with tempfile.TemporaryDirectory() as tmp, \
-            EmulatedCluster(hosts, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
-        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
-        config_path.write_text(json.dumps({"sizes_mib": sizes_mib, "rounds": rounds, "timeout_s": timeout_s}))
-        procs = [cluster.popen(host, [sys.executable, __file__, "--worker", str(config_path), str(out_path)],
-                               {**cluster.torch_env(host), "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for host in range(hosts)]
-        wait_for_hosts(procs, timeout_s, f"the collectives on {hosts} hosts at {rate_gbit:g} Gbit/s")
-        return json.loads(out_path.read_text())
+    return run_script_on_hosts(__file__, hosts, LinkSpec(rate_mbit=rate_gbit * 1000),
+                               {"sizes_mib": sizes_mib, "rounds": rounds, "timeout_s": timeout_s}, timeout_s,
+                               f"the collectives on {hosts} hosts at {rate_gbit:g} Gbit/s")
 
 
 def on_loopback(hosts: int, sizes_mib: list[float], rounds: int, timeout_s: float) -> dict:

@@ -20,9 +20,7 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,18 +80,11 @@ def worker(config_path: Path, out_path: Path) -> None:
 
 
 def on_cluster(hosts: int, rate_gbit: float, rounds: int, timeout_s: float) -> dict:
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
+    from commsched.bench.cluster import LinkSpec, run_script_on_hosts
 
-    with tempfile.TemporaryDirectory() as tmp, \
-            EmulatedCluster(hosts, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
-        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
-        config_path.write_text(json.dumps({"rounds": rounds, "timeout_s": timeout_s}))
-        procs = [cluster.popen(host, [sys.executable, __file__, "--worker", str(config_path), str(out_path)],
-                               {**cluster.torch_env(host), "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for host in range(hosts)]
-        wait_for_hosts(procs, timeout_s, f"the all-reduces on {hosts} hosts at {rate_gbit:g} Gbit/s")
-        return json.loads(out_path.read_text())
+    return run_script_on_hosts(__file__, hosts, LinkSpec(rate_mbit=rate_gbit * 1000),
+                               {"rounds": rounds, "timeout_s": timeout_s}, timeout_s,
+                               f"the all-reduces on {hosts} hosts at {rate_gbit:g} Gbit/s")
 
 
 def modelled_ms(fixed_s: float, per_byte_s: float, older_mb: float, younger_mb: float) -> tuple[float, float]:

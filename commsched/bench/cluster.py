@@ -17,12 +17,17 @@ Ctrl-C, and on SIGTERM.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 PREFIX = "csx"
 SUBNET = "10.213.7"
@@ -202,6 +207,22 @@ def wait_for_hosts(procs: Sequence[subprocess.Popen], timeout_s: float, what: st
     for p, err in zip(procs, errors, strict=True):
         if p.returncode != 0:
             raise RuntimeError(f"a host of {what} exited with {p.returncode}:\n{err[-3000:]}")
+
+def run_script_on_hosts(script: str, hosts: int, link: LinkSpec, config: Mapping[str, Any], timeout_s: float,
+                        what: str) -> Any:
+    """Run ``python script --worker CONFIG OUT`` on every host of a fresh cluster (one thread each,
+    torch's env:// variables set) and return the JSON the script wrote to OUT: a benchmark's worker
+    reads ``config`` from CONFIG, and its rank 0 writes what it measured."""
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, link) as cluster:
+        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
+        config_path.write_text(json.dumps(dict(config)))
+        procs = [cluster.popen(host, [sys.executable, script, "--worker", str(config_path), str(out_path)],
+                               {**cluster.torch_env(host), "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for host in range(hosts)]
+        wait_for_hosts(procs, timeout_s, what)
+        return json.loads(out_path.read_text())
+
 
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
