@@ -60,8 +60,9 @@ def warmup_profile(warmup: TuningStart) -> Profile | None:
     pass took, not when the forward pass first read each parameter: as the
     cost model does, it is taken to reach each parameter after the share of the
     forward pass equal to the share of parameter bytes read before it. The link
-    is the one the cost model measured; the CPU share of the transport stands
-    in for the slowdown of computation beside it.
+    is the one the cost model measured, with the collectives it runs at once;
+    the CPU share of the transport stands in for the slowdown of computation
+    beside it.
     """
     timeline = warmup.timeline
     if timeline is None or warmup.world_size < 2 or not warmup.parameters or not warmup.forward_order:
@@ -78,7 +79,7 @@ def warmup_profile(warmup: TuningStart) -> Profile | None:
         for slot, (numel, size) in enumerate(sizes)
     )
     link = LinkProfile(warmup.world_size, (), timeline.link.latency_s, timeline.link.bytes_per_s,
-                       compute_slowdown=max(0.0, timeline.transport_cpu_share))
+                       compute_slowdown=max(0.0, timeline.transport_cpu_share), in_flight=timeline.link.in_flight)
     return Profile("warm-up", "rank 0", 0, timeline.forward_s, max(timeline.slot_ready_s, default=0.0), 0.0,
                    parameters, link=link)
 

@@ -325,6 +325,10 @@ def test_the_simulators_guesses_are_the_fastest_predicted_points_of_the_space():
     # and no other partition size has a faster setting than the last guess
     others = [t for s, t in predicted.items() if s.partition_mb not in {g.partition_mb for g in guesses}]
     assert min(others) >= predicted[guesses[-1]] - 1e-12
+    # The warm-up's link runs as many collectives at once as measured (gloo two).
+    assert profile.link.in_flight == 1
+    gloo = dataclasses.replace(warmup.timeline, link=dataclasses.replace(warmup.timeline.link, in_flight=2))
+    assert warmup_profile(dataclasses.replace(warmup, timeline=gloo)).link.in_flight == 2
     # Nothing to simulate without a timeline or a second replica.
     assert simulated_guesses(dataclasses.replace(warmup, timeline=None), space) == []
     assert simulated_guesses(dataclasses.replace(warmup, world_size=1), space) == []
