@@ -93,10 +93,21 @@ class SecondSteps:
             self._waiting.append(reduction)
 
     def first_step_done(self) -> None:
-        """Issue the second step of every reduction at the head whose first step is done."""
+        """Issue the second step of every reduction at the head whose first step is done.
+
+        The second steps are issued under the lock, so that they go in order; their
+        completion callbacks are attached after it: a step already complete runs them at
+        once, on this thread, and they take the dispatcher's lock, which the training
+        thread may hold while it waits for this one to `enqueue` (once a deadlock).
+        """
+        issued = []
         with self._lock:
             while self._waiting and self._waiting[0].summed:
-                self._waiting.popleft().issue_second_step(self._group())
+                reduction = self._waiting.popleft()
+                reduction.issue_second_step(self._group())
+                issued.append(reduction)
+        for reduction in issued:
+            reduction.second_step_issued()
 
 
 _QUEUES: weakref.WeakKeyDictionary[dist.ProcessGroup, SecondSteps] = weakref.WeakKeyDictionary()
@@ -149,7 +160,14 @@ class TwoStepAllReduce:
         second = dist.all_to_all_single(self._tensor, self._send, self._sizes, [self._mine] * world_size,
                                         group=group, async_op=True)
         with self._lock:
-            self._second, callbacks, self._callbacks = second, self._callbacks, []
+            self._second = second
+
+    def second_step_issued(self) -> None:
+        """Called by `SecondSteps` after `issue_second_step`, outside its lock: the callbacks
+        registered so far go on the second step (those registered since went on it directly)."""
+        with self._lock:
+            second, callbacks, self._callbacks = self._second, self._callbacks, []
+        assert second is not None, "second_step_issued before issue_second_step"
         for callback in callbacks:
             second.get_future().add_done_callback(lambda _, callback=callback: callback())
         self._issued.set()

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import commsched
-from commsched.comm.two_step import piece_sizes
+from commsched.comm.two_step import SecondSteps, piece_sizes
 from commsched.planning.calibration import TwoStepTiming
 
 
@@ -43,3 +43,41 @@ def test_all_to_all_mb_is_auto_by_default_and_written_only_when_changed():
 def test_a_bad_all_to_all_mb_is_refused_with_what_it_may_be(value):
     with pytest.raises(ValueError, match=r'AllReduce.all_to_all_mb must be "auto", None, or a size in MiB'):
         commsched.AllReduce(all_to_all_mb=value)
+
+
+class _Reduction:
+    """Records, for `SecondSteps`, when its second step is issued and when its callbacks go on."""
+
+    def __init__(self, queue: SecondSteps, log: list, name: str):
+        self.summed, self._queue, self._log, self._name = False, queue, log, name
+
+    def issue_second_step(self, group: object) -> None:
+        self._log.append((self._name, "issued", self._queue._lock.locked()))
+
+    def second_step_issued(self) -> None:
+        self._log.append((self._name, "callbacks", self._queue._lock.locked()))
+
+
+def test_second_steps_go_in_first_step_order_and_their_callbacks_outside_the_lock():
+    """A second step already complete runs its callbacks at once, on the thread that attaches them;
+    they take the dispatcher's lock, which the training thread may hold while it waits to enqueue
+    the next reduction: attached under the queue's lock, the two threads once waited on each other."""
+
+    class Group:  # a process group stand-in: the queue only keeps a weak reference to it
+        pass
+
+    group = Group()
+    queue, log = SecondSteps(group), []
+    first, second, third = (_Reduction(queue, log, name) for name in ("first", "second", "third"))
+    for reduction in (first, second, third):
+        queue.enqueue(reduction)
+    second.summed = True
+    queue.first_step_done()
+    assert log == []  # the first's first step is not done: nothing may overtake it
+    first.summed = True
+    queue.first_step_done()
+    assert log == [("first", "issued", True), ("second", "issued", True),
+                   ("first", "callbacks", False), ("second", "callbacks", False)]
+    third.summed = True
+    queue.first_step_done()
+    assert log[4:] == [("third", "issued", True), ("third", "callbacks", False)]
