@@ -19,7 +19,7 @@ from commsched.comm.two_step import SecondSteps, TwoStepAllReduce
 from commsched.errors import wait_or_raise
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.schedule import LinkModel
-from commsched.profiling.link import IN_FLIGHT
+from commsched.profiling.link import collectives_in_flight
 from commsched.profiling.profile import fit_link
 
 CALIBRATION_BYTES = 8 * 2**20
@@ -76,7 +76,7 @@ def measure_link(
     trip, and never taken below ``latency_s``, that round trip. Also returns the
     CPU time this process spends per second of the larger all-reduce (see
     `Timeline.transport_cpu_share`), and the collectives the transport runs at once
-    (`commsched.profiling.link.IN_FLIGHT`: gloo two, on gradients in host memory).
+    (`commsched.profiling.link.collectives_in_flight`: gloo two, on gradients in host memory).
     The sizes take turns, after one untimed
     all-reduce each (the first of a size sets up the transport's buffers), so
     that a slow spell of the host slows both alike; see `link_from_samples`.
@@ -90,8 +90,7 @@ def measure_link(
     samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
                for _ in range(CALIBRATION_REPEATS)]
     link, cpu_share = link_from_samples(sizes, samples, latency_s)
-    in_flight = IN_FLIGHT.get(str(dist.get_backend(group)), 1) if device.type == "cpu" else 1
-    return dataclasses.replace(link, in_flight=in_flight), cpu_share
+    return dataclasses.replace(link, in_flight=collectives_in_flight(group, device)), cpu_share
 
 
 def link_from_samples(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commsched.layout.partitions import Partition
-from commsched.planning.wire import Flight, Wire
+from commsched.planning.wire import Flight, Wire, wire_share
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,6 @@ class LinkModel:
     def duration_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
 
-    def wire_share(self, nbytes: int) -> float:
-        """The share of its time alone an all-reduce of ``nbytes`` keeps the link busy."""
-        whole = self.duration_s(nbytes)
-        return nbytes / self.bytes_per_s / whole if whole > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -93,12 +89,13 @@ def simulate_schedule(
             if not window_open:
                 break
             heapq.heappop(ready)
-            if wire is None:
+            duration = link.duration_s(p.nbytes)
+            if wire is None:  # one place: the wire's answer, without replaying the queue
                 start = max(now, link_free_at)
-                link_free_at = end = start + link.duration_s(p.nbytes)
+                link_free_at = end = start + duration
             else:
                 wire.advance(now)
-                wire.add(Flight((0, p.pid), link.duration_s(p.nbytes), link.wire_share(p.nbytes)))
+                wire.add(Flight((0, p.pid), duration, wire_share(duration, link.latency_s)))
                 start, end = wire.when_done((0, p.pid))
             start_on_link[p.pid], finish[p.pid] = start, end
             heapq.heappush(in_flight, (end, p.nbytes))

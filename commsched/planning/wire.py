@@ -44,6 +44,12 @@ from collections import deque
 from dataclasses import dataclass
 
 
+def wire_share(whole_s: float, fixed_s: float) -> float:
+    """How much of its link a collective keeps busy alone: its wire time over its whole time
+    (``whole_s``), the rest its fixed cost (``fixed_s``), the gaps another can use."""
+    return (whole_s - fixed_s) / whole_s if whole_s > 0 else 0.0
+
+
 @dataclass
 class Flight:
     """One collective on a wire."""

@@ -24,6 +24,12 @@ IN_FLIGHT = {"gloo": 2}
 threads; NCCL, and any backend not named, one (see [Note: two collectives at once] in
 `commsched.planning.wire`)."""
 
+
+def collectives_in_flight(group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """How many collectives of ``group`` on tensors on ``device`` run at once (`IN_FLIGHT`); tensors
+    off the host keep one."""
+    return IN_FLIGHT.get(str(dist.get_backend(group)), 1) if torch.device(device).type == "cpu" else 1
+
 MAX_BESIDE_COLLECTIVES = 64
 """Most all-reduces `measure_link` runs back to back beside one ``compute()`` call."""
 
@@ -50,7 +56,7 @@ def measure_link(
     most `MAX_BESIDE_COLLECTIVES`) over its median time alone, minus one,
     at least 0; ``collective_slowdown`` is how much the computation slows those
     all-reduces ([Note: slowdown of the all-reduces]); ``in_flight`` is what the group's backend
-    runs at once (`IN_FLIGHT`). Every rank gets the same result: each figure is the largest any
+    runs at once (`collectives_in_flight`). Every rank gets the same result: each figure is the largest any
     rank measured. A rank that does not join raises `CommunicationTimeout` after ``timeout_s``.
     """
     device = torch.device(device)
@@ -89,7 +95,7 @@ def measure_link(
         bytes_per_s=bytes_per_s,
         compute_slowdown=slowdown,
         collective_slowdown=collective_slowdown,
-        in_flight=IN_FLIGHT.get(str(dist.get_backend(group)), 1),
+        in_flight=collectives_in_flight(group, device),
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.placement import place_blocks, server_block_bytes
-from commsched.planning.wire import Flight, Wire
+from commsched.planning.wire import Flight, Wire, wire_share
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.simulator.spec import DDPConfig, SimModel, SimResult, model_of
@@ -101,20 +101,11 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         unit_bytes=tuple(u.nbytes for u in units),
         unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
         unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
-        unit_share=tuple(_wire_share(cluster, u.nbytes, servers) for u in units),
+        unit_share=tuple(1.0 if servers else wire_share(w, cluster.allreduce_s(0)) for w in wire),
         resources=max(1, servers), in_flight=1 if servers else cluster.in_flight, credit_bytes=credit,
         overlap=overlap,
         update_all_at_once=isinstance(system, DDPConfig),
     )
-
-
-def _wire_share(cluster: Cluster, nbytes: int, servers: int) -> float:
-    """The share of its whole time a collective of ``nbytes`` keeps the link busy: the rest is its
-    fixed cost, the gaps a collective beside it can use ([Note: two collectives at once])."""
-    if servers:
-        return 1.0  # one at a time: no other collective shares a server's link
-    whole = cluster.allreduce_s(nbytes)
-    return (whole - cluster.allreduce_s(0)) / whole if whole > 0 else 0.0
 
 
 def _strategy_name(strategy: Strategy) -> str:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from commsched.layout.partitions import Plan, PlanExecutor, fifo_plan, make_partitions
 from commsched.planning.schedule import LinkModel, SimulatedSchedule, robust_plan, simulate_schedule
+from commsched.planning.wire import wire_share
 
 
 @settings(max_examples=200, deadline=None)
@@ -183,7 +184,7 @@ def test_two_in_flight_the_younger_runs_in_the_older_gaps():
     gappy = LinkModel(latency_s=0.5, bytes_per_s=400.0, in_flight=2)  # 400 bytes: 0.5 s fixed + 1 s on the wire
     partitions = make_partitions([300], [4], [0], 400)  # three partitions of 400 bytes
     one = gappy.duration_s(400)
-    share = gappy.wire_share(400)
+    share = wire_share(gappy.duration_s(400), gappy.latency_s)
     rate = (1 - share) / share  # the younger's beside the older
     assert share == pytest.approx(2 / 3) and rate == pytest.approx(0.5)
     schedule = simulate_schedule(partitions, [0.0], gappy, credit_bytes=None, by_priority=True)
