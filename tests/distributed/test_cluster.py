@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,19 @@ print("ok")
 
 def namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def sysctl(key: str, namespace: str | None = None) -> str:
+    inside = ["ip", "netns", "exec", namespace] if namespace else []
+    return subprocess.run([*inside, "sysctl", "-n", key], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/tcp_autocorking").exists(), reason="this kernel has no autocorking")
+def test_hosts_send_without_tcp_autocorking_and_leave_the_machine_alone():
+    outside = sysctl("net.ipv4.tcp_autocorking")
+    with EmulatedCluster(2, LinkSpec(rate_mbit=100)) as cluster:
+        assert [sysctl("net.ipv4.tcp_autocorking", host) for host in cluster.hosts] == ["0", "0"]
+    assert sysctl("net.ipv4.tcp_autocorking") == outside
 
 
 def test_tear_down_also_on_error():
