@@ -93,11 +93,7 @@ def modelled_ms(fixed_s: float, per_byte_s: float, older_mb: float, younger_mb: 
     for key, mb in enumerate((older_mb, younger_mb)):
         on_wire = per_byte_s * mb * MIB
         wire.add(Flight((0, key), fixed_s + on_wire, on_wire / (fixed_s + on_wire)))
-    done = {}
-    while wire.flights:
-        at, index = wire.next_finish(1.0)
-        wire.progress(at, 1.0)
-        done[wire.finish(index).key[1]] = at
+    done = {key[1]: at for key, at in wire.finish_times().items()}
     return done[1] * 1e3, max(done.values()) * 1e3
 
 

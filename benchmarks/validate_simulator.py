@@ -89,8 +89,9 @@ def simulated_s(system: object, profile: Profile, cluster: Cluster, measured: di
 
 
 def cluster_of(cell: Cell, profile: Profile, in_flight: int | None = None) -> Cluster:
-    """The cell's cluster from its measured link; ``in_flight`` replaces the link's."""
-    cluster = Cluster.from_link(profile.link, workers=cell.hosts)
+    """The cell's cluster from its measured link (gloo on host memory: all-to-alls among 3 or more
+    hosts); ``in_flight`` replaces the link's."""
+    cluster = dataclasses.replace(Cluster.from_link(profile.link, workers=cell.hosts), all_to_all=cell.hosts >= 3)
     return cluster if in_flight is None else dataclasses.replace(cluster, in_flight=in_flight)
 
 

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency-us", type=float, default=25.0, help="per-hop latency (default 25)")
     plan.add_argument("--algorithm", choices=("ring", "tree"), default="ring", help="all-reduce (default ring)")
     plan.add_argument("--in-flight", type=int, metavar="N",
-                      help="collectives the transport runs at once, the younger in the older's gaps: 2 for "
+                      help="collectives the transport runs at once, taking turns step by step: 2 for "
                            "gloo, 1 for NCCL (default: the measured link's backend; 1 without a measured link)")
     plan.add_argument("--servers", type=int, default=0,
                       help="parameter servers besides the workers: their strategies are candidates too")

@@ -17,10 +17,8 @@ hosts, where each collective pays a latency per hop of the ring, whole buckets
 without the small first one, and four times the configured size) is replayed on
 rank 0's measured timeline: per parameter, when its gradient became ready in the
 backward pass; how long the forward pass took; the link's latency and bandwidth,
-and how many collectives its transport runs at once (gloo two, the younger in
-the older's gaps: [Note: two collectives at once] in `commsched.planning.wire`;
-among 8 emulated hosts, where a ring's fixed cost is a third of a 1 MiB
-all-reduce, one at a time priced many small collectives up to twice too high).
+and how many collectives its transport runs at once (gloo two, taking turns
+step by step: [Note: two collectives at once] in `commsched.planning.wire`).
 The predicted cost of a candidate is how long the training thread would wait
 for communication (at the end of backward without forward overlap; at the
 forward pass's layers with it, assuming the forward pass reaches each parameter

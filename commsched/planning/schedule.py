@@ -11,6 +11,7 @@ pass keeps its place (the rest waits behind the urgent buckets).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from commsched.planning.wire import Flight, Wire, wire_share
 @dataclass(frozen=True)
 class LinkModel:
     """How long one all-reduce of ``n`` bytes takes alone: ``latency_s + n / bytes_per_s``; and how many
-    the transport runs at once, the younger in the older's gaps (see `commsched.planning.wire`)."""
+    the transport runs at once, taking turns step by step (see `commsched.planning.wire`)."""
 
     latency_s: float
     bytes_per_s: float
@@ -64,42 +65,28 @@ def simulate_schedule(
         return (p.priority, p.bucket, p.start) if by_priority else (p.bucket, p.start)
 
     arrivals = sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))
+    on_link = _SerialLink(link) if link.in_flight == 1 else _SharedLink(link)
     ready: list[tuple] = []
     order: list[int] = []
-    finish: dict[int, float] = {}
-    start_on_link: dict[int, float] = {}
-    in_flight: list[tuple[float, int]] = []  # a heap of (finish time, bytes)
-    in_flight_bytes, link_free_at, now, next_arrival = 0, 0.0, 0.0, 0
-    wire = Wire(link.in_flight) if link.in_flight > 1 else None
+    now, next_arrival = 0.0, 0
 
     while len(order) < len(partitions):
         while next_arrival < len(arrivals) and bucket_ready_s[arrivals[next_arrival].bucket] <= now:
             p = arrivals[next_arrival]
             heapq.heappush(ready, (rank(p), p.pid, p))
             next_arrival += 1
-        while in_flight and in_flight[0][0] <= now:
-            in_flight_bytes -= heapq.heappop(in_flight)[1]
+        on_link.complete_until(now)
         issued = False
         while ready:
             p = ready[0][2]
             window_open = (
-                credit_bytes is None or now >= last_ready or not in_flight
-                or in_flight_bytes + p.nbytes <= credit_bytes
+                credit_bytes is None or now >= last_ready or not on_link.flying
+                or on_link.flying_bytes + p.nbytes <= credit_bytes
             )
             if not window_open:
                 break
             heapq.heappop(ready)
-            duration = link.duration_s(p.nbytes)
-            if wire is None:  # one place: the wire's answer, without replaying the queue
-                start = max(now, link_free_at)
-                link_free_at = end = start + duration
-            else:
-                wire.advance(now)
-                wire.add(Flight((0, p.pid), duration, wire_share(duration, link.latency_s)))
-                start, end = wire.when_done((0, p.pid))
-            start_on_link[p.pid], finish[p.pid] = start, end
-            heapq.heappush(in_flight, (end, p.nbytes))
-            in_flight_bytes += p.nbytes
+            on_link.issue(p, now)
             order.append(p.pid)
             issued = True
         if issued:
@@ -107,10 +94,80 @@ def simulate_schedule(
         upcoming = []
         if next_arrival < len(arrivals):
             upcoming.append(bucket_ready_s[arrivals[next_arrival].bucket])
-        if in_flight:
-            upcoming.append(in_flight[0][0])
+        if (done := on_link.next_completion()) is not None:
+            upcoming.append(done)
         now = max(now, min(upcoming))
-    return SimulatedSchedule(order, finish, start_on_link)
+    on_link.complete_until(math.inf)
+    return SimulatedSchedule(order, on_link.finish_s, on_link.start_s)
+
+
+class _SerialLink:
+    """One collective at a time: each starts when it is issued and the one before it is done, so
+    its finish is known when it is issued."""
+
+    def __init__(self, link: LinkModel):
+        self.link = link
+        self.finish_s: dict[int, float] = {}
+        self.start_s: dict[int, float] = {}
+        self._flying: list[tuple[float, int]] = []  # a heap of (finish time, bytes)
+        self.flying_bytes = 0
+        self._free_at = 0.0
+
+    @property
+    def flying(self) -> int:
+        return len(self._flying)
+
+    def issue(self, p: Partition, now: float) -> None:
+        start = max(now, self._free_at)
+        self._free_at = end = start + self.link.duration_s(p.nbytes)
+        self.start_s[p.pid], self.finish_s[p.pid] = start, end
+        heapq.heappush(self._flying, (end, p.nbytes))
+        self.flying_bytes += p.nbytes
+
+    def next_completion(self) -> float | None:
+        return self._flying[0][0] if self._flying else None
+
+    def complete_until(self, t: float) -> None:
+        while self._flying and self._flying[0][0] <= t:
+            self.flying_bytes -= heapq.heappop(self._flying)[1]
+
+
+class _SharedLink:
+    """``link.in_flight`` collectives at once on a `Wire`: one issued later slows those on the
+    wire, so a finish is known only once nothing else can be issued before it."""
+
+    def __init__(self, link: LinkModel):
+        self.link = link
+        self.finish_s: dict[int, float] = {}
+        self.start_s: dict[int, float] = {}
+        self._wire = Wire(link.in_flight)
+        self._bytes: dict[int, int] = {}
+        self.flying_bytes = 0
+
+    @property
+    def flying(self) -> int:
+        return len(self._bytes)
+
+    def issue(self, p: Partition, now: float) -> None:
+        self._wire.progress(now, 1.0)
+        duration = self.link.duration_s(p.nbytes)
+        self._wire.add(Flight((0, p.pid), duration, wire_share(duration, self.link.latency_s)))
+        self._bytes[p.pid] = p.nbytes
+        self.flying_bytes += p.nbytes
+
+    def next_completion(self) -> float | None:
+        upcoming = self._wire.next_finish(1.0)
+        return None if upcoming is None else upcoming[0]
+
+    def complete_until(self, t: float) -> None:
+        while (upcoming := self._wire.next_finish(1.0)) is not None and upcoming[0] <= t:
+            self._wire.progress(upcoming[0], 1.0)
+            done = self._wire.finish(upcoming[1])
+            pid = done.key[1]
+            self.start_s[pid], self.finish_s[pid] = done.since_s, upcoming[0]
+            self.flying_bytes -= self._bytes.pop(pid)
+        if math.isfinite(t):
+            self._wire.progress(t, 1.0)
 
 
 def robust_plan(partitions: Sequence[Partition], schedule: SimulatedSchedule, last_ready_s: float) -> list[int]:

@@ -1,52 +1,64 @@
-"""`Wire`: one link of the simulator and the collectives on it, the younger ones filling the older's gaps.
+"""`Wire`: one link of the simulator and the collectives on it, taking turns step by step.
 
 [Note: two collectives at once] gloo runs two collectives of a process group
-at once (one per worker thread), and a ring all-reduce among many hosts leaves
-the link idle for part of its time: between its 2 (N - 1) steps, each a hop's
-latency, and while the hosts do their share of the work. A second collective
-uses those gaps. At 8 emulated hosts on a 0.5 Gbit/s link
-(`benchmarks/two_in_flight.py`: an all-reduce there is 14.5 ms of fixed cost
-and 29.1 ms per MiB), until the younger of two issued together is done:
+at once (one per worker thread), on the same connections. A ring all-reduce
+among N hosts is 2 (N - 1) steps; in each, every host sends one chunk to its
+neighbour and waits for one, so a step costs a hop's latency and the host's
+work (the fixed cost, spread over the steps) plus a chunk on the wire. Two
+all-reduces in flight take turns on each connection, one step each: a round
+of the two lasts as long as the longer step alone, or the two chunks back to
+back, whichever is more. At 8 emulated hosts on a 0.5 Gbit/s link
+(`benchmarks/two_in_flight.py`: an all-reduce there is 5.3 ms of fixed cost
+and 29.9 ms per MiB), until the younger of two issued together is done:
 
-| older, younger         | measured | this model | one at a time |
-|------------------------|----------|------------|---------------|
-| 1 MiB, 1 MiB           | 61.5 ms  | 65.5 ms    | 87.3 ms       |
-| 1.56 MiB, 1 MiB        | 76.9 ms  | 81.8 ms    | 103.6 ms      |
-| 2.25 MiB, 1 MiB        | 97.7 ms  | 101.9 ms   | 123.7 ms      |
-| 5.49 MiB, 1 MiB        | 198.0 ms | 196.2 ms   | 218.0 ms      |
-| 9 MiB, 1 MiB           | 310.2 ms | 298.4 ms   | 320.2 ms      |
-| 9 MiB, 64 KiB          | 237.6 ms | 34.6 ms    | 292.9 ms      |
+| older, younger         | measured | this model | the gaps model | one at a time |
+|------------------------|----------|------------|----------------|---------------|
+| 1 MiB, 1 MiB           | 61.5 ms  | 59.9 ms    | 64.2 ms        | 70.4 ms       |
+| 1.56 MiB, 1 MiB        | 77.7 ms  | 76.7 ms    | 81.0 ms        | 87.2 ms       |
+| 2.25 MiB, 64 KiB       | 62.4 ms  | 72.6 ms    | 25.8 ms        | 79.8 ms       |
+| 2.25 MiB, 1 MiB        | 98.0 ms  | 97.3 ms    | 101.7 ms       | 107.8 ms      |
+| 5.49 MiB, 1 MiB        | 199.4 ms | 194.3 ms   | 198.7 ms       | 204.9 ms      |
+| 9 MiB, 64 KiB          | 238.8 ms | 274.8 ms   | 97.7 ms        | 281.9 ms      |
+| 9 MiB, 1 MiB           | 307.6 ms | 299.4 ms   | 303.8 ms       | 310.0 ms      |
 
-Taking them one at a time, as the simulator once did, priced torch DDP with
-1 MiB buckets on VGG16 and ResNet-50 at 8 hosts 8-37% too slow; a fixed share of overlap for every
-pair cannot give both the first lines and the fifth. What this model misses
-is the last line: a small collective right behind a large one waits for
-most of it (presumably its messages queue on the same connections behind
-the large one's), where the model lets it through in the large one's gaps; that is
-why it prices GPT-2 (large layers, small ones between) too fast at 8 hosts.
+A small collective right behind a large one advances one step per step of
+the large one: it is done about when the large one is (this model 15% late,
+the measured small one finishing a little before). The model this replaced let
+the younger run in the older's gaps at whatever rate they left, which the
+pairs of 1 MiB also fit, but which let a small collective through a large one
+in a tenth of the time it takes (it priced GPT-2's small layers between large
+ones too fast). Taking them one at a time, as the simulator once did, is up to
+15% too slow for pairs of 1 MiB.
 
-The model: a collective of fixed cost ``F`` and wire time ``W`` alone
-(``F + W`` in all) keeps the link busy a share ``u = W / (F + W)`` of its
-time. The oldest on the wire runs at full rate; each younger one runs as fast
-as the link's share left by the older ones allows, at most full rate: at rate
-``min(1, left / u)``, leaving ``left - rate u`` to the next. A link that
-runs one collective at a time (``in_flight`` 1: NCCL's one stream, a
-parameter server's link) is the same model with one place; a collective that
-is all wire (``F`` 0) leaves no gap, and one that is all fixed cost none to
-fill. Every rate is also slowed while the worker computes
-(``collective_slowdown``).
+The model: a collective of fixed cost ``F`` and wire time ``W`` alone takes
+``D = F + W`` (its wire share ``u = W / D``). With collectives ``i`` on the
+wire together, a round takes ``R = max(max_i D_i, sum_i W_i)`` (in units of
+the whole collective: every one has the same number of steps), and each runs
+at rate ``D_i / R`` of its own pace alone. One collective alone runs at full
+rate; one that is all fixed cost shares nothing but its turn; up to
+``places`` are on the wire (gloo 2; NCCL's one stream and a parameter
+server's link 1, where the model is taking turns whole), the rest queue.
+Every rate is also slowed while the worker computes (``collective_slowdown``).
+
+Collectives on other connections (a *lane* of their own: the all-to-alls of
+a two-step all-reduce, [Note: an all-reduce in two steps] in
+`commsched.comm.two_step`) do not take turns with the ring's; they share the
+wire's bandwidth. Each lane alone keeps the wire busy ``sum_i W_i / R`` of
+the time; where the lanes together want more than all of it, every rate is
+slowed by that sum. The first bucket's 1 MiB right behind a 5.49 MiB
+all-reduce, at 8 hosts: by the ring 194-200 ms (this model 194), in two
+all-to-alls 67-80 ms (this model 64).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
 
 def wire_share(whole_s: float, fixed_s: float) -> float:
     """How much of its link a collective keeps busy alone: its wire time over its whole time
-    (``whole_s``), the rest its fixed cost (``fixed_s``), the gaps another can use."""
+    (``whole_s``), the rest its fixed cost (``fixed_s``)."""
     return (whole_s - fixed_s) / whole_s if whole_s > 0 else 0.0
 
 
@@ -62,6 +74,15 @@ class Flight:
     """How much of the link it keeps busy at full rate: its wire time over its whole time alone."""
     since_s: float = 0.0
     """When it got its place on the wire."""
+    whole_s: float = 0.0
+    """Its time alone, fixed cost and wire (0: ``left_s`` as issued)."""
+    lane: int = 0
+    """The connections it goes on: flights of one lane take turns step by step; lanes share the
+    wire's bandwidth ([Note: two collectives at once])."""
+
+    def __post_init__(self) -> None:
+        if self.whole_s <= 0:
+            self.whole_s = self.left_s
 
 
 class Wire:
@@ -77,13 +98,18 @@ class Wire:
         """Bumped on every change, so a completion scheduled before it is known to be stale."""
 
     def rates(self) -> list[float]:
-        """Each flight's rate at full speed: the oldest 1, each younger what the older leave of the link."""
-        rates, left = [], 1.0
+        """Each flight's rate at full speed: its time alone over a round of its lane's flights (1 alone),
+        all of them slowed alike where the lanes together want more than the wire."""
+        lanes: dict[int, list[Flight]] = {}
         for flight in self.flights:
-            rate = 1.0 if flight.share <= left else max(0.0, left) / flight.share
-            rates.append(rate)
-            left -= rate * flight.share
-        return rates
+            lanes.setdefault(flight.lane, []).append(flight)
+        round_s, busy = {}, 0.0
+        for lane, flights in lanes.items():
+            wire_s = sum(f.whole_s * f.share for f in flights)
+            round_s[lane] = max(max(f.whole_s for f in flights), wire_s)
+            busy += wire_s / round_s[lane] if round_s[lane] > 0 else 0.0
+        slowed = max(1.0, busy)
+        return [f.whole_s / round_s[f.lane] / slowed if round_s[f.lane] > 0 else 1.0 for f in self.flights]
 
     def progress(self, t: float, speed: float) -> None:
         """Account the work done from ``at`` to ``t`` at ``speed`` (1: nothing slows the link)."""
@@ -128,20 +154,10 @@ class Wire:
             self.finish(upcoming[1])
         self.progress(t, speed)
 
-    def when_done(self, key: tuple[int, int]) -> tuple[float, float]:
-        """When flight ``key`` gets its place and when it finishes, at full speed. Exact however many are
-        issued after it: a flight's rate depends only on the older ones."""
-        ahead = Wire(self.places)
-        ahead.at = self.at
-        ahead.flights = [dataclasses.replace(flight) for flight in self.flights]
-        for flight in self.queue:  # those behind it change nothing for it
-            ahead.queue.append(dataclasses.replace(flight))
-            if flight.key == key:
-                break
-        while True:
-            upcoming = ahead.next_finish(1.0)
-            assert upcoming is not None, f"{key} is not on this wire"
-            ahead.progress(upcoming[0], 1.0)
-            done = ahead.finish(upcoming[1])
-            if done.key == key:
-                return done.since_s, upcoming[0]
+    def finish_times(self) -> dict[tuple[int, int], float]:
+        """Run the wire at full speed until every flight on it and queued is done: when each finishes."""
+        done = {}
+        while (upcoming := self.next_finish(1.0)) is not None:
+            self.progress(upcoming[0], 1.0)
+            done[self.finish(upcoming[1]).key] = upcoming[0]
+        return done

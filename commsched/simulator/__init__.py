@@ -30,9 +30,9 @@ launch):
   the block's bytes) delays that block's completion, not its link. ``mode="async"``
   is simulated as ``"sync"``: with symmetric workers they take the same time.
 - collectives at once: an all-reduce link runs up to ``in_flight`` at once
-  (gloo 2, NCCL 1), the oldest at full rate and each younger one in the gaps
-  the older leave (a collective's fixed cost, during which it does not use the
-  link); see [Note: two collectives at once] in `commsched.planning.wire`.
+  (gloo 2, NCCL 1), taking turns step by step: a round of their ring steps lasts
+  the longest one's step alone or all their chunks on the wire, whichever is
+  more; see [Note: two collectives at once] in `commsched.planning.wire`.
   Parameter servers' links carry one at a time.
 
 *Computation*, per iteration: the forward pass reads parameter p first at

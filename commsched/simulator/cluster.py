@@ -44,8 +44,12 @@ class Cluster:
     """A collective issued while the worker computes takes ``1 + collective_slowdown`` times as
     long on the wire (a transport that needs the host's cores, as gloo over TCP does)."""
     in_flight: int = 1
-    """All-reduces the transport runs at once, the younger in the older's gaps (gloo 2, NCCL 1);
+    """All-reduces the transport runs at once, taking turns step by step (gloo 2, NCCL 1);
     see [Note: two collectives at once] in `commsched.planning.wire`."""
+    all_to_all: bool = False
+    """The transport can all-reduce in two all-to-alls (gloo, on host memory, among 3 or more workers):
+    a `Strategy` whose ``AllReduce.all_to_all_mb`` asks for it sends those partitions so (`two_step_s`;
+    [Note: an all-reduce in two steps] in `commsched.comm.two_step`)."""
 
     def __post_init__(self) -> None:
         _check_count("workers", self.workers, 1)
@@ -59,6 +63,8 @@ class Cluster:
             ):
                 raise ValueError(f"Cluster.{name} must be a finite number >= 0, got {value!r}")
         _check_count("in_flight", self.in_flight, 1)
+        if not isinstance(self.all_to_all, bool):
+            raise ValueError(f"Cluster.all_to_all must be True or False, got {self.all_to_all!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"Cluster.algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
                              f"got {self.algorithm!r}")
@@ -76,6 +82,14 @@ class Cluster:
         if self.algorithm == "ring":
             return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / rate + self.host_overhead_s
         return 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / rate + self.host_overhead_s
+
+    def two_step_s(self, nbytes: int) -> float:
+        """One all-reduce of ``nbytes`` in two all-to-alls: each worker sends a ring's bytes, to every
+        other worker at once, so a hop's latency per step, and the host's cost of two collectives."""
+        n = self.workers
+        if n == 1:
+            return self.host_overhead_s
+        return 2 * self.latency_s + 2 * (n - 1) / n * nbytes / self.bytes_per_s + 2 * self.host_overhead_s
 
     def push_pull_s(self, nbytes: int) -> float:
         """One block's push and pull through its server's link (every worker's copy in and out)."""
@@ -139,6 +153,7 @@ class Cluster:
     def describe(self) -> str:
         servers = f", {self.servers} server(s)" if self.servers else ""
         pairs = "" if self.in_flight == 1 else f", {self.in_flight} at once"
+        pairs += ", all-to-alls" if self.all_to_all else ""
         return (f"{self.workers} workers at {self.gbit_s:g} Gbit/s ({self.algorithm}{servers}, "
                 f"{self.latency_s * 1e6:g} us per hop, {self.host_overhead_s * 1e6:g} us per collective{pairs})")
 

@@ -14,13 +14,14 @@ import math
 from dataclasses import dataclass
 
 from commsched.layout.buckets import bucket_layout
-from commsched.layout.partitions import make_partitions
+from commsched.layout.partitions import Partition, make_partitions
 from commsched.layout.placement import place_blocks, server_block_bytes
+from commsched.planning.calibration import CALIBRATION_BYTES, TWO_STEP_SHARE
 from commsched.planning.wire import Flight, Wire, wire_share
 from commsched.profiling.profile import Profile
 from commsched.simulator.cluster import Cluster
 from commsched.simulator.spec import DDPConfig, SimModel, SimResult, model_of
-from commsched.strategy import Strategy
+from commsched.strategy import MIB, AllReduce, Strategy
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +48,8 @@ class _System:
     resources: int
     unit_share: tuple[float, ...]
     """How much of its link a unit keeps busy alone: its wire time over its whole time."""
+    unit_lane: tuple[int, ...]
+    """The connections a unit goes on (`commsched.planning.wire.Flight.lane`): 1 for two all-to-alls."""
     in_flight: int
     """Units a link runs at once (`commsched.planning.wire`): the all-reduce link's; servers' links one."""
     credit_bytes: int | None
@@ -82,6 +85,10 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
     held = next(b for b, slots in enumerate(slots_of) if first in slots) if flags else None
     total = model.total_bytes or 1
     updates = [0.0 if servers else model.update_s * nbytes / total for nbytes in bucket_bytes]
+    two_steps: set[int] = set()
+
+    def fixed_s(unit: Partition) -> float:
+        return cluster.two_step_s(0) if unit.pid in two_steps else cluster.allreduce_s(0)
 
     if servers:
         resource = place_blocks([u.nbytes for u in units], servers)
@@ -89,7 +96,8 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         after = [model.update_s * u.nbytes / total for u in units]
     else:
         resource = [0] * len(units)
-        wire = [cluster.allreduce_s(u.nbytes) for u in units]
+        two_steps = _in_two_steps(system, cluster, units, held, bucket_bytes)
+        wire = [cluster.two_step_s(u.nbytes) if u.pid in two_steps else cluster.allreduce_s(u.nbytes) for u in units]
         after = [0.0] * len(units)
     return _System(
         name=system.describe() if isinstance(system, DDPConfig) else _strategy_name(system),
@@ -101,11 +109,49 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         unit_bytes=tuple(u.nbytes for u in units),
         unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
         unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
-        unit_share=tuple(1.0 if servers else wire_share(w, cluster.allreduce_s(0)) for w in wire),
+        unit_share=tuple(1.0 if servers else wire_share(w, fixed_s(u)) for u, w in zip(units, wire, strict=True)),
+        unit_lane=tuple(1 if u.pid in two_steps else 0 for u in units),
         resources=max(1, servers), in_flight=1 if servers else cluster.in_flight, credit_bytes=credit,
         overlap=overlap,
         update_all_at_once=isinstance(system, DDPConfig),
     )
+
+
+def _in_two_steps(system: Strategy | DDPConfig, cluster: Cluster, units: list[Partition], held: int | None,
+                  bucket_bytes: list[int]) -> set[int]:
+    """The units all-reduced in two all-to-alls, as a run decides them ([Note: an all-reduce in two
+    steps] in `commsched.comm.two_step`): with ``all_to_all_mb="auto"``, the first bucket's where
+    that pays behind the largest other bucket (`first_bucket_pays`); with a size, every unit up to it.
+    None where the cluster's transport cannot (``Cluster.all_to_all``)."""
+    if (not isinstance(system, Strategy) or not isinstance(system.backend, AllReduce) or not cluster.all_to_all
+            or cluster.workers < 3 or not system.backend.all_to_all_mb):
+        return set()
+    size = system.backend.all_to_all_mb
+    if size != "auto":
+        return {u.pid for u in units if u.nbytes <= float(size) * MIB}
+    if held is None:
+        return set()
+    others = [nbytes for b, nbytes in enumerate(bucket_bytes) if b != held]
+    behind = min(max(others, default=bucket_bytes[held]), CALIBRATION_BYTES)
+    if not first_bucket_pays(cluster, bucket_bytes[held], behind):
+        return set()
+    return {u.pid for u in units if u.bucket == held}
+
+
+def first_bucket_pays(cluster: Cluster, nbytes: int, behind_nbytes: int) -> bool:
+    """Whether an all-reduce of ``nbytes`` right behind one of ``behind_nbytes`` is done within
+    `TWO_STEP_SHARE` of the ring's time in two all-to-alls, on ``cluster``'s wire: warm-up's test
+    (`commsched.planning.calibration.time_both_ways`), simulated."""
+    def younger_done_s(two_steps: bool) -> float:
+        wire = Wire(cluster.in_flight)
+        bulk = cluster.allreduce_s(behind_nbytes)
+        wire.add(Flight((0, 0), bulk, wire_share(bulk, cluster.allreduce_s(0))))
+        alone = cluster.two_step_s(nbytes) if two_steps else cluster.allreduce_s(nbytes)
+        fixed = cluster.two_step_s(0) if two_steps else cluster.allreduce_s(0)
+        wire.add(Flight((0, 1), alone, wire_share(alone, fixed), lane=1 if two_steps else 0))
+        return wire.finish_times()[(0, 1)]
+
+    return younger_done_s(True) <= TWO_STEP_SHARE * younger_done_s(False)
 
 
 def _strategy_name(strategy: Strategy) -> str:
@@ -232,7 +278,7 @@ class _Run:
             self.in_flight_bytes[it] += s.unit_bytes[u]
             wire = self.wires[r]
             wire.progress(self.t, self.speed)
-            wire.add(Flight((it, u), s.unit_wire_s[u], s.unit_share[u]))
+            wire.add(Flight((it, u), s.unit_wire_s[u], s.unit_share[u], lane=s.unit_lane[u]))
             self._schedule(r)
 
     def advance(self, until: float) -> None:
@@ -397,8 +443,8 @@ def bound_s(profile: Profile, cluster: Cluster) -> float:
 
     All-reduce: one all-reduce of every gradient. No system is faster where the
     link runs one collective at a time (``cluster.in_flight`` 1); where it runs
-    two, as gloo does, smaller collectives at once can be, each filling the
-    other's gaps ([Note: two collectives at once]). With ``cluster.servers``: as
+    two, as gloo does, smaller collectives at once can be, each sending while
+    the other waits for a hop ([Note: two collectives at once]). With ``cluster.servers``: as
     `commsched.bench.grid` defines it, the busiest server link, each worker's
     copy of that server's bytes in and out at the link rate (taken perfectly
     balanced), against the worker's computation without the update (the

@@ -178,21 +178,22 @@ def test_executor_rejects_a_plan_that_misses_partitions():
         Plan(tuple(partitions), (0, 0, 1), credit_bytes=None)
 
 
-def test_two_in_flight_the_younger_runs_in_the_older_gaps():
-    """[Note: two collectives at once]: with ``in_flight`` 2 a second partition goes at once and
-    runs in the gaps of the first (its fixed cost), where one at a time it would wait for it."""
-    gappy = LinkModel(latency_s=0.5, bytes_per_s=400.0, in_flight=2)  # 400 bytes: 0.5 s fixed + 1 s on the wire
+def test_two_in_flight_take_turns_step_by_step():
+    """[Note: two collectives at once]: with ``in_flight`` 2 a second partition goes at once and the two
+    take turns: a round lasts the longer one alone or both on the wire, where one at a time the second
+    would wait for the first."""
+    link = LinkModel(latency_s=0.5, bytes_per_s=400.0, in_flight=2)  # 400 bytes: 0.5 s fixed + 1 s on the wire
     partitions = make_partitions([300], [4], [0], 400)  # three partitions of 400 bytes
-    one = gappy.duration_s(400)
-    share = wire_share(gappy.duration_s(400), gappy.latency_s)
-    rate = (1 - share) / share  # the younger's beside the older
-    assert share == pytest.approx(2 / 3) and rate == pytest.approx(0.5)
-    schedule = simulate_schedule(partitions, [0.0], gappy, credit_bytes=None, by_priority=True)
-    assert schedule.start_s == {0: 0.0, 1: 0.0, 2: one}  # the third waits for a place
-    assert schedule.finish_s[0] == pytest.approx(one)
-    assert schedule.finish_s[1] == pytest.approx(one + (1 - rate) * one)
-    third_left = one - rate * (1 - rate) * one  # what it has left when the second finishes
-    assert schedule.finish_s[2] == pytest.approx(schedule.finish_s[1] + third_left)
+    one = link.duration_s(400)
+    assert wire_share(one, link.latency_s) == pytest.approx(2 / 3)
+    schedule = simulate_schedule(partitions, [0.0], link, credit_bytes=None, by_priority=True)
+    both_on_the_wire = 2 * (one - link.latency_s)  # longer than one alone: the wire sets the pace
+    assert schedule.start_s == pytest.approx({0: 0.0, 1: 0.0, 2: both_on_the_wire})  # the third waits for a place
+    assert schedule.finish_s == pytest.approx({0: both_on_the_wire, 1: both_on_the_wire, 2: both_on_the_wire + one})
+    # A small one behind a large one takes a turn per turn of the large one: they finish together.
+    small_behind_large = make_partitions([1000, 10], [4, 4], [0, 1], None)
+    schedule = simulate_schedule(small_behind_large, [0.0, 0.0], link, credit_bytes=None, by_priority=False)
+    assert schedule.finish_s == pytest.approx({0: link.duration_s(4000), 1: link.duration_s(4000)})
     serial = simulate_schedule(partitions, [0.0], LinkModel(0.5, 400.0), credit_bytes=None, by_priority=True)
     assert serial.finish_s == pytest.approx({0: one, 1: 2 * one, 2: 3 * one})
     assert serial.start_s == pytest.approx({0: 0.0, 1: one, 2: 2 * one})

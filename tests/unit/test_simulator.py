@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.planning.schedule import LinkModel, simulate_schedule
+from commsched.planning.wire import Flight, Wire, wire_share
 from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
 from commsched.simulator import Cluster, DDPConfig, SimResult, best_strategy, bound_s, simulate, strategy_space
-from commsched.strategy import MIB, ParameterServer, Strategy
+from commsched.simulator.engine import first_bucket_pays
+from commsched.strategy import MIB, AllReduce, ParameterServer, Strategy
 
 LITERAL = Strategy(adaptive=False)
 """commsched's defaults, taken literally."""
@@ -78,7 +80,8 @@ def test_cluster_refuses_bad_values_with_the_field():
     for kwargs, field in (({"workers": 0}, "workers"), ({"gbit_s": 0}, "gbit_s"), ({"latency_s": -1}, "latency_s"),
                           ({"algorithm": "mesh"}, "algorithm"), ({"servers": -1}, "servers"),
                           ({"compute_slowdown": math.nan}, "compute_slowdown"), ({"in_flight": 0}, "in_flight"),
-                          ({"in_flight": 1.5}, "in_flight"), ({"in_flight": True}, "in_flight")):
+                          ({"in_flight": 1.5}, "in_flight"), ({"in_flight": True}, "in_flight"),
+                          ({"all_to_all": 1}, "all_to_all")):
         with pytest.raises(ValueError, match=field):
             Cluster(**{"workers": 2, "gbit_s": 1.0, **kwargs})
     with pytest.raises(ValueError, match="servers=1"):
@@ -330,42 +333,71 @@ GAPS = Cluster(8, 1.0, latency_s=1e-3, host_overhead_s=5e-3, in_flight=2)
 """19 ms of fixed cost per all-reduce, 14.7 ms per MiB on the wire; two at once."""
 
 
-def share(cluster: Cluster, mb: float) -> float:
-    """How much of the link one all-reduce of ``mb`` MiB keeps busy alone."""
-    return 1 - cluster.allreduce_s(0) / cluster.allreduce_s(int(mb * MIB))
-
-
-def test_two_collectives_at_once_the_younger_in_the_older_gaps():
-    """[Note: two collectives at once]: the older at full rate, the younger at what the older leaves."""
-    one = GAPS.allreduce_s(4 * MIB)
-    rate = (1 - share(GAPS, 4)) / share(GAPS, 4)
-    assert 0.2 < rate < 0.5
+def test_two_collectives_at_once_take_turns():
+    """[Note: two collectives at once]: a round of both lasts the longer one alone or both chunks on the
+    wire; each runs at its own time alone over the round's."""
+    one, fixed = GAPS.allreduce_s(4 * MIB), GAPS.allreduce_s(0)
+    assert one < 2 * (one - fixed)  # two of 4 MiB: the wire sets the pace
     assert exposed_s([4.0], GAPS) == pytest.approx(one)
-    # The younger has done ``rate one`` when the older finishes, and the rest at full rate.
-    assert exposed_s([4.0, 4.0], GAPS) == pytest.approx((2 - rate) * one)
+    assert exposed_s([4.0, 4.0], GAPS) == pytest.approx(2 * (one - fixed))
     # One place: one at a time, as before.
     single = dataclasses.replace(GAPS, in_flight=1)
     assert exposed_s([4.0, 4.0], single) == pytest.approx(2 * one)
-    # A third waits for a place: the older's, at ``one``; beside the second, which has ``(1 - rate) one``
-    # left and finishes at ``(2 - rate) one``, it does ``rate (1 - rate) one``, then the rest at full rate.
-    assert exposed_s([4.0, 4.0, 4.0], GAPS) == pytest.approx((2 - rate) * one + one - rate * (1 - rate) * one)
-    # Collectives that leave more of the link than they use run side by side at full rate.
-    assert share(GAPS, 1) < 0.5
+    # A third waits for a place, then runs alone.
+    assert exposed_s([4.0, 4.0, 4.0], GAPS) == pytest.approx(2 * (one - fixed) + one)
+    # Two whose chunks fit in each other's latency run side by side at full rate.
+    assert 2 * (GAPS.allreduce_s(MIB) - fixed) < GAPS.allreduce_s(MIB)
     assert exposed_s([1.0, 1.0], GAPS) == pytest.approx(GAPS.allreduce_s(MIB))
 
 
-def test_a_small_collective_beside_a_large_one_uses_what_the_large_leaves():
+def test_a_small_collective_behind_a_large_one_finishes_with_it():
     large, small = GAPS.allreduce_s(8 * MIB), GAPS.allreduce_s(MIB)
-    left = 1 - share(GAPS, 8)
-    assert left < share(GAPS, 1)  # the small one cannot run at full rate beside it
-    assert small * share(GAPS, 1) / left < large  # but it finishes within the large one
+    fixed = GAPS.allreduce_s(0)
+    assert (large - fixed) + (small - fixed) < large  # the large one's steps set the pace of both
     assert exposed_s([1.0, 8.0], GAPS) == pytest.approx(large)  # the output layer's goes first
     assert exposed_s([1.0, 8.0], dataclasses.replace(GAPS, in_flight=1)) == pytest.approx(large + small)
     for sizes in ([8.0, 0.125], [1.0] * 5, [0.25, 4.0, 1.0, 2.0], [16.0, 16.0]):
         assert exposed_s(sizes, GAPS) <= exposed_s(sizes, dataclasses.replace(GAPS, in_flight=1)) + 1e-12
-    # A collective that is all wire leaves no gap: two of them go one after the other.
+    # Collectives that are all wire share it: two of them take as long as one after the other.
     no_gaps = Cluster(8, 1.0, latency_s=0.0, in_flight=2)
     assert exposed_s([4.0, 4.0], no_gaps) == pytest.approx(2 * no_gaps.allreduce_s(4 * MIB))
+
+
+def test_other_connections_share_the_wire_without_taking_turns():
+    """[Note: two collectives at once]: a collective on a lane of its own (two all-to-alls) shares the
+    wire's bandwidth with the ring's but does not wait for its steps."""
+    large, small = 10.0, 0.6  # seconds alone; 0.5 of each is fixed cost
+    for lane, small_done in ((0, large), (1, small * (9.5 / 10.0 + 0.1 / 0.6))):  # the busy shares add up
+        wire = Wire(2)
+        wire.add(Flight((0, 0), large, wire_share(large, 0.5)))
+        wire.add(Flight((0, 1), small, wire_share(small, 0.5), lane=lane))
+        assert wire.finish_times()[(0, 1)] == pytest.approx(small_done)
+    # All wire, nothing to take turns in: two lanes split it as one lane does.
+    for lane in (0, 1):
+        wire = Wire(2)
+        wire.add(Flight((0, 0), 1.0, 1.0))
+        wire.add(Flight((0, 1), 1.0, 1.0, lane=lane))
+        assert wire.finish_times() == pytest.approx({(0, 0): 2.0, (0, 1): 2.0})
+
+
+def test_two_step_formula_and_the_first_bucket_that_pays():
+    """[Note: an all-reduce in two steps]: two hops and two collectives' host cost, a ring's bytes; the
+    first bucket goes so, as warm-up decides, where right behind the largest other bucket it is done
+    within `TWO_STEP_SHARE` of the ring's time."""
+    cluster = Cluster(8, 0.5, latency_s=25e-6, host_overhead_s=5e-3, in_flight=2, all_to_all=True)
+    assert cluster.two_step_s(MIB) == pytest.approx(2 * 25e-6 + 1.75 * MIB / 62.5e6 + 2 * 5e-3)
+    assert first_bucket_pays(cluster, MIB, int(5.5 * MIB))  # the ring would take turns with 5.5 MiB
+    assert not first_bucket_pays(cluster, MIB, 4)  # alone, two steps cost one more host overhead
+    profile = make_profile([1.0] + [5.5] * 4, forward_s=0.1, backward_s=0.2, update_s=0.0)
+    ring = dataclasses.replace(cluster, all_to_all=False)
+    default, two_steps = simulate(profile, ring, LITERAL), simulate(profile, cluster, LITERAL)
+    assert two_steps.iteration_s < default.iteration_s
+    never = Strategy(backend=AllReduce(all_to_all_mb=None), adaptive=False)
+    assert unnamed(simulate(profile, cluster, never)) == unnamed(default)
+    # Two workers: a ring takes two steps anyway, and the transport never takes these.
+    pair = dataclasses.replace(cluster, workers=2)
+    assert unnamed(simulate(profile, pair, LITERAL)) == unnamed(simulate(
+        profile, dataclasses.replace(pair, all_to_all=False), LITERAL))
 
 
 def test_the_link_of_two_at_once_counts_once_in_its_busy_time():
