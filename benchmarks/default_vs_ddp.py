@@ -40,12 +40,13 @@ per worker, by published throughput); GPT-2 small is already an accelerator's.""
 
 
 ACCELERATOR_DEFAULTS = {"profiles": list(PROFILES), "workers": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
-                        "gbit": [1.0, 10.0, 25.0, 100.0], "latency_us": [5.0, 25.0], "in_flight": 1}
+                        "gbit": [1.0, 10.0, 25.0, 100.0], "latency_us": [5.0, 25.0], "in_flight": 1,
+                        "all_to_all": "off"}
 EMULATED_DEFAULTS = {"profiles": list(EMULATED_WORKLOADS), "workers": [2, 4, 8, 16], "gbit": [0.25, 0.5, 1.0],
-                     "latency_us": [100.0, 1000.0], "in_flight": 2}
+                     "latency_us": [100.0, 1000.0], "in_flight": 2, "all_to_all": "on"}
 """The emulated hosts: their links' rates, per hop of the ring the fixed cost their all-reduces
-measure (about 1 ms at 16 hosts on 2 cores; less where the cores are idle), and gloo's two
-collectives in flight."""
+measure (about 1 ms at 16 hosts on 2 cores; less where the cores are idle), gloo's two
+collectives in flight, and its all-to-alls for the first bucket."""
 
 
 def profile_named(name: str) -> Profile:
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     parser.add_argument("--in-flight", type=int,
                         help="collectives the link runs at once (default 1, NCCL; with --emulated 2, gloo)")
+    parser.add_argument("--all-to-all", choices=("on", "off"),
+                        help="the first bucket may go in two all-to-alls (default off; with --emulated on, gloo)")
     parser.add_argument("--json", type=Path, help="write every cell here")
     args = parser.parse_args()
     defaults = EMULATED_DEFAULTS if args.emulated else ACCELERATOR_DEFAULTS
@@ -81,7 +84,8 @@ def main() -> None:
         profile = profile_named(name)
         worst = None
         for workers, gbit, latency_us, algorithm in cells(args.workers, args.gbit, args.latency_us, args.algorithm):
-            cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm, in_flight=args.in_flight)
+            cluster = Cluster(workers, gbit, latency_s=latency_us * 1e-6, algorithm=algorithm, in_flight=args.in_flight,
+                              all_to_all=args.all_to_all == "on")
             ddp = {mb: simulate(profile, cluster, DDPConfig.like_torch(mb)).iteration_s for mb in DDP_BUCKETS_MB}
             best_mb = min(ddp, key=ddp.get)
             adopted = as_run(Strategy(), profile, cluster)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--in-flight", type=int, metavar="N",
                       help="collectives the transport runs at once, taking turns step by step: 2 for "
                            "gloo, 1 for NCCL (default: the measured link's backend; 1 without a measured link)")
+    plan.add_argument("--all-to-all", action="store_true",
+                      help="the transport may all-reduce in two all-to-alls (gloo on host memory, 3 or more "
+                           "workers): commsched's first bucket goes so where warm-up would send it so")
     plan.add_argument("--servers", type=int, default=0,
                       help="parameter servers besides the workers: their strategies are candidates too")
     source = plan.add_mutually_exclusive_group()

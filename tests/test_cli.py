@@ -280,5 +280,6 @@ def test_a_measured_link_carries_its_host_cost_and_slowdown_into_every_cluster()
     plain = cluster_for(profile.with_link(None), 16, 10.0, 25e-6, "ring", 0)
     assert (plain.compute_slowdown, plain.host_overhead_s, plain.in_flight) == (0.0, 0.0, 1)
     assert cluster_for(profile.with_link(None), 16, 10.0, 25e-6, "ring", 0, in_flight=2).in_flight == 2
+    assert not cluster.all_to_all and cluster_for(profile, 16, 10.0, 25e-6, "ring", 0, all_to_all=True).all_to_all
     slower, faster = plan(profile, [16], [10.0]), plan(profile.with_link(None), [16], [10.0])
     assert slower[0].ddp_s > faster[0].ddp_s

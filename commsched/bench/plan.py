@@ -206,25 +206,28 @@ def load_profile(path: Path) -> Profile:
 
 
 def cluster_for(profile: Profile, workers: int, gbit_s: float, latency_s: float, algorithm: str,
-                servers: int, in_flight: int | None = None) -> Cluster:
+                servers: int, in_flight: int | None = None, all_to_all: bool = False) -> Cluster:
     """The cluster of one cell; with a measured link in ``profile``, its host cost, slowdown and
-    collectives in flight too (``in_flight``, where given, replaces the last)."""
+    collectives in flight too (``in_flight``, where given, replaces the last); ``all_to_all``:
+    the transport may all-reduce in two all-to-alls (`Cluster.all_to_all`)."""
     link = profile.link
     if link is not None and link.world_size >= 2 and link.bytes_per_s > 0:
         cluster = Cluster.from_link(link, workers, gbit_s, algorithm, latency_s=latency_s)
         cluster = dataclasses.replace(cluster, servers=servers)
     else:
         cluster = Cluster(workers, gbit_s, latency_s=latency_s, algorithm=algorithm, servers=servers)
+    cluster = dataclasses.replace(cluster, all_to_all=all_to_all)
     return cluster if in_flight is None else dataclasses.replace(cluster, in_flight=in_flight)
 
 
 def plan(profile: Profile, workers: Sequence[int], gbits: Sequence[float], latency_s: float = 25e-6,
-         algorithm: str = "ring", servers: int = 0, in_flight: int | None = None) -> list[PlanRow]:
+         algorithm: str = "ring", servers: int = 0, in_flight: int | None = None,
+         all_to_all: bool = False) -> list[PlanRow]:
     """Simulate every cell of ``workers`` x ``gbits``; see the module's docstring."""
     rows = []
     for count in workers:
         for gbit in gbits:
-            cluster = cluster_for(profile, count, gbit, latency_s, algorithm, servers, in_flight)
+            cluster = cluster_for(profile, count, gbit, latency_s, algorithm, servers, in_flight, all_to_all)
             best, result = best_strategy(profile, cluster)
             bound = bound_s(profile, cluster)
             if servers:  # the all-reduce systems are candidates too
@@ -280,13 +283,15 @@ def run(args: Any) -> int:
     scale = args.compute_scale
     planned = scaled_compute(profile, scale) if scale != 1 else profile
     rows = plan(planned, args.workers, args.gbit, args.latency_us * 1e-6, args.algorithm, args.servers,
-                args.in_flight)
+                args.in_flight, args.all_to_all)
     servers = f", {args.servers} parameter servers" if args.servers else ""
     bound = "max(computation, one all-reduce of every gradient)"
     if args.servers:
         bound += " or, if less, max(computation without the update, the busiest server's link)"
     in_flight = args.in_flight or (profile.link.in_flight if profile.link is not None else 1)
     at_once = "one collective at a time" if in_flight == 1 else f"{in_flight} collectives at once"
+    if args.all_to_all:
+        at_once += ", commsched's first bucket in two all-to-alls where warm-up would send it so"
     notes = [
         f"Simulated: {args.algorithm} all-reduce, {args.latency_us:g} us per hop, {at_once}{servers}.",
         f"best: the fastest of strategy_space(){' on both backends' if args.servers else ''}; bound: {bound}; "

@@ -46,8 +46,8 @@ a two-step all-reduce, [Note: an all-reduce in two steps] in
 wire's bandwidth. Each lane alone keeps the wire busy ``sum_i W_i / R`` of
 the time; where the lanes together want more than all of it, every rate is
 slowed by that sum. The first bucket's 1 MiB right behind a 5.49 MiB
-all-reduce, at 8 hosts: by the ring 194-200 ms (this model 194), in two
-all-to-alls 67-80 ms (this model 64).
+all-reduce, at 8 hosts: by the ring 194-200 ms (this model 191-195), in two
+all-to-alls 67-80 ms (this model 69-75), on six clusters' links.
 """
 
 from __future__ import annotations
