@@ -147,9 +147,10 @@ class Choice:
     setting: Setting
     predictions: tuple[Prediction, ...]
     runner_up: Setting | None = None
-    """The next cheapest prediction that sends partitions or larger buckets (None: there is none):
-    measured beside the choice, since the predictions may rank the two wrongly
-    ([Note: confirming the choice] in `commsched.tuning.confirmation`)."""
+    """The cheapest prediction of partitions other than the choice (None: there is none): measured
+    beside the choice, since the predictions may rank them wrongly ([Note: confirming the choice]
+    in `commsched.tuning.confirmation`). With `best_whole`, the check always weighs partitions
+    against whole buckets of a size of their own, whichever the cost model put first."""
     best_whole: Setting | None = None
     """The cheapest prediction of whole buckets of a size of their own (as torch DDP's users tune
     ``bucket_cap_mb``) other than the choice and the runner-up (None: there is none): measured beside
@@ -342,7 +343,7 @@ def choose(
         for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes, layout.first_bucket_mb)
     )
     ranked = sorted(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
-    others = [p.setting for p in ranked[1:] if p.setting != Setting(None, None)]
+    others = [p.setting for p in ranked[1:] if p.setting.partition_mb is not None]
     runner_up = others[0] if others else None
     sized = [p.setting for p in ranked if p.setting.partition_mb is None and p.setting.bucket_cap_mb is not None
              and p.setting not in (ranked[0].setting, runner_up)]

@@ -178,3 +178,16 @@ def test_the_cheapest_whole_buckets_of_another_size_are_measured_beside_the_choi
                        key=lambda p: (round(p.cost_s, 6), p.collectives))
         assert choice.best_whole == sized[0].setting, choice.reason
         assert choice.best_whole.bucket_cap_mb is not None and choice.best_whole.partition_mb is None
+
+
+def test_the_runner_up_is_the_cheapest_other_partitioning():
+    """Whether the choice is partitions or whole buckets, the check measures the best-predicted other
+    partitions beside it ([Note: confirming the choice]): a prediction that ranks them a few percent
+    behind whole buckets must not keep them from being measured."""
+    params = layers()
+    for bytes_per_s in (80 * 2**20, 5e9, 1e12):
+        link = LinkModel(latency_s=2e-4, bytes_per_s=bytes_per_s)
+        choice = decide(params, timeline(params, backward_s=0.2, forward_s=0.1, link=link), overlap=True)
+        partitioned = sorted((p for p in choice.predictions if p.setting.partition_mb is not None
+                              and p.setting != choice.setting), key=lambda p: (round(p.cost_s, 6), p.collectives))
+        assert choice.runner_up == partitioned[0].setting, choice.reason
