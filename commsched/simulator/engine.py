@@ -86,18 +86,17 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
     total = model.total_bytes or 1
     updates = [0.0 if servers else model.update_s * nbytes / total for nbytes in bucket_bytes]
     two_steps: set[int] = set()
-
-    def fixed_s(unit: Partition) -> float:
-        return cluster.two_step_s(0) if unit.pid in two_steps else cluster.allreduce_s(0)
-
     if servers:
         resource = place_blocks([u.nbytes for u in units], servers)
         wire = [cluster.push_pull_s(u.nbytes) for u in units]
+        share = [1.0] * len(units)
         after = [model.update_s * u.nbytes / total for u in units]
     else:
         resource = [0] * len(units)
         two_steps = _in_two_steps(system, cluster, units, held, bucket_bytes)
-        wire = [cluster.two_step_s(u.nbytes) if u.pid in two_steps else cluster.allreduce_s(u.nbytes) for u in units]
+        cost_of = [cluster.two_step_s if u.pid in two_steps else cluster.allreduce_s for u in units]
+        wire = [cost(u.nbytes) for cost, u in zip(cost_of, units, strict=True)]
+        share = [wire_share(w, cost(0)) for cost, w in zip(cost_of, wire, strict=True)]
         after = [0.0] * len(units)
     return _System(
         name=system.describe() if isinstance(system, DDPConfig) else _strategy_name(system),
@@ -109,7 +108,7 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         unit_bytes=tuple(u.nbytes for u in units),
         unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
         unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
-        unit_share=tuple(1.0 if servers else wire_share(w, fixed_s(u)) for u, w in zip(units, wire, strict=True)),
+        unit_share=tuple(share),
         unit_lane=tuple(1 if u.pid in two_steps else 0 for u in units),
         resources=max(1, servers), in_flight=1 if servers else cluster.in_flight, credit_bytes=credit,
         overlap=overlap,
