@@ -65,7 +65,7 @@ def simulate_schedule(
         return (p.priority, p.bucket, p.start) if by_priority else (p.bucket, p.start)
 
     arrivals = sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))
-    on_link = _SerialLink(link) if link.in_flight == 1 else _SharedLink(link)
+    on_link = _OnTheWire(link)
     ready: list[tuple] = []
     order: list[int] = []
     now, next_arrival = 0.0, 0
@@ -101,40 +101,10 @@ def simulate_schedule(
     return SimulatedSchedule(order, on_link.finish_s, on_link.start_s)
 
 
-class _SerialLink:
-    """One collective at a time: each starts when it is issued and the one before it is done, so
-    its finish is known when it is issued."""
-
-    def __init__(self, link: LinkModel):
-        self.link = link
-        self.finish_s: dict[int, float] = {}
-        self.start_s: dict[int, float] = {}
-        self._flying: list[tuple[float, int]] = []  # a heap of (finish time, bytes)
-        self.flying_bytes = 0
-        self._free_at = 0.0
-
-    @property
-    def flying(self) -> int:
-        return len(self._flying)
-
-    def issue(self, p: Partition, now: float) -> None:
-        start = max(now, self._free_at)
-        self._free_at = end = start + self.link.duration_s(p.nbytes)
-        self.start_s[p.pid], self.finish_s[p.pid] = start, end
-        heapq.heappush(self._flying, (end, p.nbytes))
-        self.flying_bytes += p.nbytes
-
-    def next_completion(self) -> float | None:
-        return self._flying[0][0] if self._flying else None
-
-    def complete_until(self, t: float) -> None:
-        while self._flying and self._flying[0][0] <= t:
-            self.flying_bytes -= heapq.heappop(self._flying)[1]
-
-
-class _SharedLink:
-    """``link.in_flight`` collectives at once on a `Wire`: one issued later slows those on the
-    wire, so a finish is known only once nothing else can be issued before it."""
+class _OnTheWire:
+    """The partitions issued and not yet done, ``link.in_flight`` at once on a `Wire`: with more than
+    one, one issued later slows those on the wire, so a finish is known only once nothing else can be
+    issued before it."""
 
     def __init__(self, link: LinkModel):
         self.link = link
