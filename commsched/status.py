@@ -183,6 +183,9 @@ def reducer_status(reducer: GradientReducer) -> Status:
         )
     if plan is None:
         plan_text = "none yet (the first forward pass records the order)"
+    elif plan.agreed and plan.by_readiness:
+        plan_text = ("rank 0's plan, agreed after warm-up (buckets in the order they became ready on its "
+                     "timeline, credit window: without forward overlap nothing needs one bucket first)")
     elif plan.agreed:
         plan_text = "rank 0's plan, agreed after warm-up (forward order first, credit window)"
     else:

@@ -279,12 +279,13 @@ class GradientReducer:
         return self.transport.start_scattering()
 
     def _agree_on_plan(self) -> Plan:
-        """Rank 0's plan for the layout in use, from the warm-up's timeline (collective)."""
+        """Rank 0's plan for the layout in use, from the warm-up's timeline (collective); without forward
+        overlap, the order the buckets become ready ([Note: a plan without urgency])."""
         timeline, layout = self._timeline, self.layout
         ready = bucket_ready_s(timeline.slot_ready_s, layout, self._held_buckets() or frozenset())
         with failures_explained(self.transport):
             return plan_on_rank0(layout.partitions, ready, timeline, self.config.credit_bytes, self.groups.control,
-                                 self.config.timeout_s)
+                                 self.config.timeout_s, overlapping=self.overlap_off_reason is None)
 
     # ------------------------------------------------------------- auto-tuning
     def _start_tuning(self, warmup: WarmupResult) -> TuningSession:

@@ -76,6 +76,9 @@ class Plan:
     credit_bytes: int | None
     agreed: bool = False
     """False: torch DDP's order (`fifo_plan`); True: rank 0's plan, agreed by every rank."""
+    by_readiness: bool = False
+    """Rank 0's plan is the order its buckets became ready, not urgency: forward overlap is off
+    ([Note: a plan without urgency] in `commsched.planning.schedule`)."""
 
     def __post_init__(self) -> None:
         if sorted(self.order) != list(range(len(self.partitions))):

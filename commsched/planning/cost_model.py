@@ -274,7 +274,9 @@ def predict(
     numels = [sum(params[s].numel() for s in slots) for slots in bucket_slots]
     sizes = [params[slots[0]].element_size() for slots in bucket_slots]
     partitions = make_partitions(numels, sizes, priorities, candidate.partition_bytes)
-    schedule = simulate_schedule(partitions, bucket_ready, timeline.link, candidate.credit_bytes, priority)
+    # Without forward overlap the plan is the order of readiness ([Note: a plan without urgency]).
+    by_priority = priority and layout.overlap_forward
+    schedule = simulate_schedule(partitions, bucket_ready, timeline.link, candidate.credit_bytes, by_priority)
     bucket_done = [end_of_backward] * len(bucket_slots)
     for p in partitions:
         bucket_done[p.bucket] = max(bucket_done[p.bucket], schedule.finish_s[p.pid])

@@ -22,7 +22,7 @@ from commsched.layout.partitions import Partition, Plan
 from commsched.layout.setting import LayoutSetting
 from commsched.planning.calibration import Calibration
 from commsched.planning.cost_model import Choice, Setting, Timeline, choose
-from commsched.planning.schedule import LinkModel, robust_plan, simulate_schedule
+from commsched.planning.schedule import LinkModel, arrival_order, robust_plan, simulate_schedule
 
 LINK_SAFETY_FACTOR = 0.8
 """Plan for a link this much slower than measured: a partition planned too late costs
@@ -177,9 +177,13 @@ def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
 
 
 def plan_order(
-    partitions: Sequence[Partition], bucket_ready: Sequence[float], warmup: WarmupTimeline, credit_bytes: int | None
+    partitions: Sequence[Partition], bucket_ready: Sequence[float], warmup: WarmupTimeline, credit_bytes: int | None,
+    overlapping: bool = True,
 ) -> list[int]:
-    """Rank 0's plan: priority scheduling simulated on its timeline, hardened by `robust_plan`."""
+    """Rank 0's plan: priority scheduling simulated on its timeline, hardened by `robust_plan`; without
+    forward overlap (``overlapping`` False), the order the buckets become ready (`arrival_order`)."""
+    if not overlapping:
+        return arrival_order(partitions, bucket_ready)
     link = LinkModel(latency_s=warmup.latency_s, bytes_per_s=planning_bytes_per_s(warmup))
     schedule = simulate_schedule(partitions, bucket_ready, link, credit_bytes, by_priority=True)
     return robust_plan(partitions, schedule, max(bucket_ready, default=0.0))
@@ -192,8 +196,10 @@ def plan_on_rank0(
     credit_bytes: int | None,
     group: dist.ProcessGroup,
     timeout_s: float,
+    overlapping: bool = True,
 ) -> Plan:
-    """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan.
+    """Simulate priority scheduling on rank 0's timeline; broadcast rank 0's plan (`plan_order`:
+    ``overlapping`` False, where every reduction is awaited at once, the order of readiness).
 
     Collective: every rank calls it at the same point; a peer that does not
     raises `CommunicationTimeout` after ``timeout_s``. The link is modelled by
@@ -203,11 +209,11 @@ def plan_on_rank0(
     ahead of urgent ones; the plan keeps the link busy to the end of the
     backward pass (see `robust_plan`).
     """
-    plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes), dtype=torch.int64)
+    plan = torch.tensor(plan_order(partitions, bucket_ready, warmup, credit_bytes, overlapping), dtype=torch.int64)
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(plan, group=group, group_src=0, async_op=True)
         wait_or_raise(work, timeout_s, "the broadcast of rank 0's plan")
-    return Plan(tuple(partitions), tuple(plan.tolist()), credit_bytes, agreed=True)
+    return Plan(tuple(partitions), tuple(plan.tolist()), credit_bytes, agreed=True, by_readiness=not overlapping)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ timeline (when each bucket became ready, how fast the link is) to order the
 partitions (see [Note: the agreed order] in `commsched.layout.partitions`). A
 fixed order cannot adapt to a link faster or slower than simulated, so
 `robust_plan` hedges it: only what the simulation starts during the backward
-pass keeps its place (the rest waits behind the urgent buckets).
+pass keeps its place (the rest waits behind the urgent buckets). Where nothing
+waits for one bucket before another, there is nothing to order by urgency:
+`arrival_order`.
 """
 
 from __future__ import annotations
@@ -167,3 +169,21 @@ def robust_plan(partitions: Sequence[Partition], schedule: SimulatedSchedule, la
     kept = set(early)
     late = sorted((p for p in partitions if p.pid not in kept), key=lambda p: (p.priority, p.bucket, p.start))
     return early + [p.pid for p in late]
+
+
+def arrival_order(partitions: Sequence[Partition], bucket_ready_s: Sequence[float]) -> list[int]:
+    """Every partition in the order its bucket becomes ready on the timeline (ties by bucket, then
+    offset): the plan where every reduction is awaited at once, at the end of backward or at
+    ``step()`` (forward overlap off).
+
+    [Note: a plan without urgency] Without forward overlap nothing needs one bucket before another,
+    and the priority plan only holds the link back: `robust_plan` leaves what the simulation did not
+    start during the backward pass to go most urgent first, which is the input side's bucket, ready
+    only when the backward pass ends; every partition behind it waits for it, ready or not. Traced
+    at 8 emulated hosts on the ResNet-50 profile (0.5 Gbit/s, 1 MiB partitions, credit 4 MiB): a
+    partition ready 111 ms into the backward pass waited 150 ms for its turn while the link carried
+    one collective or none, and an iteration took 361 ms, against 334 ms with the same partitions
+    in the order they became ready and 333 ms for torch DDP with 1 MiB buckets. In this order no
+    partition ever waits behind one whose bucket is not ready yet on the planning timeline.
+    """
+    return [p.pid for p in sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))]

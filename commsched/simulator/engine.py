@@ -98,6 +98,8 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         wire = [cost(u.nbytes) for cost, u in zip(cost_of, units, strict=True)]
         share = [wire_share(w, cost(0)) for cost, w in zip(cost_of, wire, strict=True)]
         after = [0.0] * len(units)
+    ready_s = [model.backward_end_s if b == held else max(model.ready_s[s] for s in slots)
+               for b, slots in enumerate(slots_of)]
     return _System(
         name=system.describe() if isinstance(system, DDPConfig) else _strategy_name(system),
         bucket_ready_s=tuple(max(model.ready_s[s] for s in slots) for slots in slots_of),
@@ -106,7 +108,7 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         update_s=tuple(updates),
         unit_bucket=tuple(u.bucket for u in units),
         unit_bytes=tuple(u.nbytes for u in units),
-        unit_key=tuple((u.priority, u.bucket, u.start) if by_priority else (u.bucket, u.start) for u in units),
+        unit_key=tuple(_issue_key(u, by_priority, overlap, ready_s) for u in units),
         unit_resource=tuple(resource), unit_wire_s=tuple(wire), unit_after_s=tuple(after),
         unit_share=tuple(share),
         unit_lane=tuple(1 if u.pid in two_steps else 0 for u in units),
@@ -114,6 +116,17 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         overlap=overlap,
         update_all_at_once=isinstance(system, DDPConfig),
     )
+
+
+def _issue_key(unit: Partition, by_priority: bool, overlap: bool, bucket_ready_s: list[float]) -> tuple:
+    """Which ready unit goes first (lowest): the most urgent with priority and forward overlap; without
+    overlap, commsched's plan is the order of readiness ([Note: a plan without urgency] in
+    `commsched.planning.schedule`); without priority, bucket order."""
+    if by_priority and overlap:
+        return (unit.priority, unit.bucket, unit.start)
+    if by_priority:
+        return (bucket_ready_s[unit.bucket], unit.bucket, unit.start)
+    return (unit.bucket, unit.start)
 
 
 def _in_two_steps(system: Strategy | DDPConfig, cluster: Cluster, units: list[Partition], held: int | None,

@@ -479,6 +479,7 @@ def case_status_follows_the_lifecycle(rank, world_size):
         optimizer.zero_grad()
     status = commsched.status(model)
     assert status.lifecycle is W.SYNCHRONOUS and status.overlap_off_reason == "Strategy(overlap_forward=False)"
+    assert "agreed" in status.plan and "in the order they became ready" in status.plan
 
 
 def case_user_collectives_between_backward_and_forward(rank, world_size):

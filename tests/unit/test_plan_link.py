@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from commsched.engine import ready_times
 from commsched.engine.ready_times import ReadyTimeProfile
-from commsched.layout.partitions import Partition, make_partitions
+from commsched.layout.partitions import Partition, Plan, PlanExecutor, make_partitions
 from commsched.planning import calibration, plans
 from commsched.planning.plans import WarmupTimeline, plan_order, planning_bytes_per_s, wire_bytes_per_s
 from commsched.planning.schedule import LinkModel
@@ -208,3 +208,35 @@ def test_a_link_calibration_whose_times_do_not_grow_gives_a_finite_bandwidth():
     link, _ = calibration.link_from_samples(sizes, samples, latency_s=1e-4)
     assert link.latency_s == pytest.approx(1e-4)
     assert link.bytes_per_s == pytest.approx(2**23 / (4e-3 - 1e-4))
+
+
+def test_without_forward_overlap_no_ready_partition_waits_behind_the_last_bucket():
+    """[Note: a plan without urgency] On a link the plan takes for slow, the priority plan leaves what
+    it could not start during the backward pass to go most urgent first: the input side's bucket,
+    ready only at the end, goes first and everything ready before it waits. Without forward overlap
+    nothing needs that bucket first: the plan is the order of readiness, and an executor fed every
+    bucket but the last has issued every other partition (no credit window to wait for)."""
+    sizes = [4] * len(BUCKET_BYTES)
+    partitions = make_partitions([b // 4 for b in BUCKET_BYTES], sizes, BUCKET_PRIORITIES, 2**20)
+    slow = LinkModel(latency_s=LINK.latency_s, bytes_per_s=LINK.bytes_per_s / 20)
+    timeline = WarmupTimeline(slot_ready_s=tuple(BUCKET_READY_S), loaded_bytes_per_s=slow.bytes_per_s,
+                              latency_s=slow.latency_s)
+    last = len(BUCKET_BYTES) - 1
+    last_bucket = {p.pid for p in partitions if p.bucket == last}
+
+    def issued_before_the_end(order: list[int]) -> set[int]:
+        executor = PlanExecutor(Plan(tuple(partitions), tuple(order), credit_bytes=None, agreed=True))
+        launched: list[int] = []
+        for bucket in range(last):
+            executor.mark_ready(bucket)
+            executor.pump(lambda p: launched.append(p.pid) or p.pid, lambda handle: False)
+        return set(launched)
+
+    urgent_first = plan_order(partitions, BUCKET_READY_S, timeline, credit_bytes=4 * 2**20)
+    # the hazard: with overlap, the priority plan holds ready partitions behind the last bucket
+    assert issued_before_the_end(urgent_first) != {p.pid for p in partitions} - last_bucket
+    by_readiness = plan_order(partitions, BUCKET_READY_S, timeline, credit_bytes=4 * 2**20, overlapping=False)
+    assert sorted(by_readiness) == [p.pid for p in partitions]
+    assert issued_before_the_end(by_readiness) == {p.pid for p in partitions} - last_bucket
+    ready_at = [BUCKET_READY_S[partitions[pid].bucket] for pid in by_readiness]
+    assert ready_at == sorted(ready_at)
