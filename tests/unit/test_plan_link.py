@@ -80,10 +80,9 @@ def test_the_plan_never_assumes_a_link_faster_than_idle():
     fast = WarmupTimeline((0.0,), loaded_bytes_per_s=5e8, latency_s=0.001, idle_link=idle)
     slow = WarmupTimeline((0.0,), loaded_bytes_per_s=5e7, latency_s=0.001, idle_link=idle)
     unknown = WarmupTimeline((0.0,), loaded_bytes_per_s=None, latency_s=0.001, idle_link=idle)
-    factor = plans.LINK_SAFETY_FACTOR
-    assert planning_bytes_per_s(fast) == pytest.approx(1e8 * factor)
-    assert planning_bytes_per_s(slow) == pytest.approx(5e7 * factor)
-    assert planning_bytes_per_s(unknown) == pytest.approx(1e8 * factor)
+    assert planning_bytes_per_s(fast) == pytest.approx(1e8)
+    assert planning_bytes_per_s(slow) == pytest.approx(5e7)
+    assert planning_bytes_per_s(unknown) == pytest.approx(1e8)
 
 
 class FakeClock:
@@ -142,7 +141,7 @@ def test_a_computation_paced_plan_sends_early_gradients_before_the_backward_pass
     # bound the link's speed, and the plan takes the idle link's.
     warmup = profile.timeline(LINK.latency_s, idle_link=LINK)
     assert warmup.loaded_bytes_per_s is None
-    assert planning_bytes_per_s(warmup) == pytest.approx(LINK.bytes_per_s * plans.LINK_SAFETY_FACTOR)
+    assert planning_bytes_per_s(warmup) == pytest.approx(LINK.bytes_per_s)
 
     order = plan_order(partitions, BUCKET_READY_S, warmup, credit_bytes=4 * 2**20)
     position = {pid: index for index, pid in enumerate(order)}
