@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from commsched.layout.partitions import Partition
@@ -66,7 +66,7 @@ def simulate_schedule(
     def rank(p: Partition) -> tuple:
         return (p.priority, p.bucket, p.start) if by_priority else (p.bucket, p.start)
 
-    arrivals = sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))
+    arrivals = sorted(partitions, key=_by_arrival(bucket_ready_s))
     on_link = _OnTheWire(link)
     ready: list[tuple] = []
     order: list[int] = []
@@ -186,4 +186,9 @@ def arrival_order(partitions: Sequence[Partition], bucket_ready_s: Sequence[floa
     in the order they became ready and 333 ms for torch DDP with 1 MiB buckets. In this order no
     partition ever waits behind one whose bucket is not ready yet on the planning timeline.
     """
-    return [p.pid for p in sorted(partitions, key=lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start))]
+    return [p.pid for p in sorted(partitions, key=_by_arrival(bucket_ready_s))]
+
+
+def _by_arrival(bucket_ready_s: Sequence[float]) -> Callable[[Partition], tuple]:
+    """The order partitions become ready: their bucket's time, then bucket, then offset."""
+    return lambda p: (bucket_ready_s[p.bucket], p.bucket, p.start)

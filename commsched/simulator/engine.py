@@ -98,11 +98,11 @@ def _compile(model: SimModel, cluster: Cluster, system: Strategy | DDPConfig) ->
         wire = [cost(u.nbytes) for cost, u in zip(cost_of, units, strict=True)]
         share = [wire_share(w, cost(0)) for cost, w in zip(cost_of, wire, strict=True)]
         after = [0.0] * len(units)
-    ready_s = [model.backward_end_s if b == held else max(model.ready_s[s] for s in slots)
-               for b, slots in enumerate(slots_of)]
+    bucket_ready = [max(model.ready_s[s] for s in slots) for slots in slots_of]
+    ready_s = [model.backward_end_s if b == held else ready for b, ready in enumerate(bucket_ready)]
     return _System(
         name=system.describe() if isinstance(system, DDPConfig) else _strategy_name(system),
-        bucket_ready_s=tuple(max(model.ready_s[s] for s in slots) for slots in slots_of),
+        bucket_ready_s=tuple(bucket_ready),
         held_bucket=held,
         gate_s=tuple(min(model.first_use_s[s] for s in slots) for slots in slots_of),
         update_s=tuple(updates),
