@@ -176,16 +176,22 @@ class Choice:
 
 T = TypeVar("T")
 
-CONFIRMATION_MARGIN = 0.03
-"""Chosen partitions stay only if their median iteration is this much shorter than whole buckets'
-(`measured_choice`). Medians of six iterations of one setting differ by a percent or two from
-run to run on the emulated hosts; a smaller gain is not worth a choice that flips between runs."""
+MAX_CONFIRMATION_MARGIN = 0.03
+"""The most a measured setting must be shorter by to replace another (`measured_choice`): medians of
+six iterations of one setting differ by a percent or two from run to run on the emulated hosts, and a
+smaller gain is not worth a choice that flips between runs. A run's check asks less where its own
+trials of one setting agree more closely ([Note: confirming the choice] in `commsched.tuning.confirmation`)."""
+
+MIN_CONFIRMATION_MARGIN = 0.01
+"""The least: where repeated trials agree exactly (the simulator's), a gain of a percent still decides,
+so that on a quiet cluster the default is not left a few percent behind torch DDP's best bucket size
+(at 512-1024 simulated workers, whole 100 MiB buckets 2-3% faster than the configured 25 MiB)."""
 
 
-def measured_choice(iteration_s: Mapping[T, float], whole: T,
+def measured_choice(iteration_s: Mapping[T, float], whole: T, margin: float,
                     layout_of: Callable[[T], LayoutSetting] | None = None) -> T:
     """Of settings and their iteration times (``whole``, the configured buckets sent whole, among
-    them), the fastest other than ``whole`` if it beats ``whole`` by `CONFIRMATION_MARGIN`, else
+    them), the fastest other than ``whole`` if it beats ``whole`` by ``margin`` (a fraction), else
     ``whole``: the rule a run applies to its measurements ([Note: confirming the choice] in
     `commsched.tuning.confirmation`) and ``commsched plan`` to the simulator's. With ``layout_of``
     (a setting's layout), of those within the margin of that fastest and as far ahead of ``whole``,
@@ -194,12 +200,12 @@ def measured_choice(iteration_s: Mapping[T, float], whole: T,
     if whole not in iteration_s or not others:
         return whole
     fastest = min(others, key=iteration_s.__getitem__)
-    if iteration_s[fastest] >= iteration_s[whole] * (1 - CONFIRMATION_MARGIN):
+    if iteration_s[fastest] >= iteration_s[whole] * (1 - margin):
         return whole
     if layout_of is None:
         return fastest
-    level = [s for s in others if iteration_s[s] <= iteration_s[fastest] * (1 + CONFIRMATION_MARGIN)
-             and iteration_s[s] < iteration_s[whole] * (1 - CONFIRMATION_MARGIN)]
+    level = [s for s in others if iteration_s[s] <= iteration_s[fastest] * (1 + margin)
+             and iteration_s[s] < iteration_s[whole] * (1 - margin)]
     return min(level, key=lambda s: fewer_collectives_first(layout_of(s)))
 
 

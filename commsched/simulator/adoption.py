@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Choice, Timeline, applied, choose, measured_choice
+from commsched.planning.cost_model import MIN_CONFIRMATION_MARGIN, Choice, Timeline, applied, choose, measured_choice
 from commsched.planning.schedule import LinkModel
 from commsched.profiling.profile import Profile
 from commsched.simulator import Cluster, meta_parameters, simulate
@@ -54,6 +54,8 @@ def as_run(strategy: Strategy, profile: Profile, cluster: Cluster) -> Strategy:
     if chosen == whole or not strategy.measures_its_choice:
         return chosen
     # The run then measures its choice, the runner-up and the best whole buckets against the configured
-    # buckets sent whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures.
+    # buckets sent whole and keeps the fastest ([Note: confirming the choice]); here the simulator measures,
+    # and its trials of one setting agree exactly: the smallest margin, as on a quiet cluster.
     measured = [chosen, whole] + [applied(literal, s) for s in (choice.runner_up, choice.best_whole) if s is not None]
-    return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole, LayoutSetting.of)
+    return measured_choice({s: simulate(profile, cluster, s).iteration_s for s in measured}, whole,
+                           MIN_CONFIRMATION_MARGIN, LayoutSetting.of)

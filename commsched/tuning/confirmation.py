@@ -15,7 +15,7 @@ on the new layout). Of the settings faster than whole buckets in every round
 (`faster_in_every_round`: a slow spell of the hosts that falls on one trial
 must not decide for good; on a saturated machine, 16 emulated hosts on 2
 cores, iterations of one setting spread by half their length), the fastest
-by median iteration stays if it is shorter by more than `CONFIRMATION_MARGIN`
+by median iteration stays if it is shorter by more than the margin
 (`measured_choice` in `commsched.planning.cost_model`); where others measured
 within that margin of it, the one of fewest collectives stays instead
 (`fewer_collectives_first`, there): at 8 emulated hosts whole 5 MiB buckets
@@ -37,17 +37,28 @@ as torch DDP's best. Otherwise whole buckets stay: they issue
 the fewest collectives at the configured size, as torch DDP does, and a tie
 going to them makes the same cell choose the same way run after run.
 
+The margin is what the run's own iterations say a repeat could change
+(`confirmation_margin`): `STANDARD_ERRORS` standard errors of the difference
+between two settings' medians, from how far each setting's iterations fall from
+its median (the widest of the settings), at least `MIN_CONFIRMATION_MARGIN` and
+at most `MAX_CONFIRMATION_MARGIN`. Where iterations spread by a percent, as on
+the emulated hosts, it is about the largest; on a quiet cluster, whose iterations
+agree within a few tenths of a percent, whole 100 MiB buckets 2-3% faster than
+the configured 25 MiB (512-1024 workers on a slow link, in the simulator) are
+kept, as the best torch DDP is tuned.
+
 The trials run on the auto-tuner's switch points (`commsched.engine.tuning`):
 rank 0 measures and decides, every rank applies the same decision.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import CONFIRMATION_MARGIN, Setting, measured_choice
+from commsched.planning.cost_model import MAX_CONFIRMATION_MARGIN, MIN_CONFIRMATION_MARGIN, Setting, measured_choice
 from commsched.tuning.controller import SETTLE_ITERATIONS
 from commsched.tuning.decision import Decision, Phase
 from commsched.tuning.intervals import IterationIntervals
@@ -58,6 +69,10 @@ ROUNDS = 2
 
 TRIAL_ITERATIONS = 3
 """Measured iterations per trial (after `SETTLE_ITERATIONS`)."""
+
+STANDARD_ERRORS = 4.0
+"""The margin, in standard errors of the difference between two settings' medians: at that distance
+noise alone flips a verdict in far fewer than one run in a thousand."""
 
 MAX_SETTINGS = 4
 """The cost model's choice, its runner-up, its best whole buckets and the configured buckets sent whole."""
@@ -113,18 +128,37 @@ class Confirmation:
         fastest_ms = min((m for m in (_median_ms(self._samples[s]) for s in self.candidates) if m is not None),
                          default=None)
         return Decision(Phase.TUNED, self._current, 0, ended_ms=ended_ms, trials=len(self._trials),
-                        window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]))
+                        window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]),
+                        margin=confirmation_margin(self._samples))
 
     def verdict(self) -> LayoutSetting:
         """Of the candidates faster than ``whole`` in every round, the fastest by median iteration if it
-        beats ``whole`` by `CONFIRMATION_MARGIN`, else ``whole``; of candidates within that margin of
-        the fastest, the one of fewest collectives (`measured_choice`)."""
+        beats ``whole`` by the margin of these trials (`confirmation_margin`), else ``whole``; of
+        candidates within that margin of the fastest, the one of fewest collectives (`measured_choice`)."""
         medians = {s: statistics.median(t) for s, t in self._samples.items() if t}
-        return measured_choice(consistent(medians, self._trial_medians, self.whole), self.whole, _itself)
+        return measured_choice(consistent(medians, self._trial_medians, self.whole), self.whole,
+                               confirmation_margin(self._samples), _itself)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
         return Decision(Phase.STOPPED, self.whole, 0)
+
+
+def confirmation_margin(samples_s: Mapping[LayoutSetting, Sequence[float]]) -> float:
+    """How much shorter, as a fraction, one setting's median must be to replace another's:
+    `STANDARD_ERRORS` standard errors of the difference between two medians of as many iterations as
+    the fewest measured (``samples_s``: per setting, its measured iterations), each setting's spread
+    taken robustly (the median distance from its median) and the widest one counting; from
+    `MIN_CONFIRMATION_MARGIN` to `MAX_CONFIRMATION_MARGIN`, the most where too little was measured."""
+    measured = [times for times in samples_s.values() if len(times) >= 2]
+    if len(measured) < 2:
+        return MAX_CONFIRMATION_MARGIN
+    widest = max(1.4826 * statistics.median(abs(t - statistics.median(times)) for t in times)
+                 / statistics.median(times) for times in measured)
+    fewest = min(len(times) for times in measured)
+    # The median of n samples varies about 1.25 times as much as their mean; the difference of two, sqrt(2) times.
+    margin = STANDARD_ERRORS * 1.2533 * widest * math.sqrt(2 / fewest)
+    return min(MAX_CONFIRMATION_MARGIN, max(MIN_CONFIRMATION_MARGIN, margin))
 
 
 def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], setting: LayoutSetting,
@@ -169,8 +203,11 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     for trial in (log.studies[-1] if log.studies else []):
         trials.setdefault(trial.setting, []).append(trial.median_s * 1e3)
     medians = {s: statistics.median(ms) for s, ms in trials.items()}
-    overall, fastest = measured_choice(medians, whole), measured_choice(consistent(medians, trials, whole), whole)
-    measured = "; ".join(f"{describe_choice(setting)}: {ms:.2f} ms" for setting, ms in medians.items())
+    margin = MAX_CONFIRMATION_MARGIN if log.margin is None else log.margin
+    overall = measured_choice(medians, whole, margin)
+    fastest = measured_choice(consistent(medians, trials, whole), whole, margin)
+    measured = "; ".join(f"{describe_choice(setting)}: {ms:.2f} ms ({_rounds(trials[setting])})"
+                         for setting, ms in medians.items())
 
     def ms(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f} ms"
@@ -181,7 +218,7 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
                    "measured no faster than the configured buckets sent whole, which stay")
     elif log.current != fastest:
         kept = "kept" if log.current == chosen else f"but {describe_choice(log.current)}, measured beside it, is kept"
-        verdict = (f"{kept} (within {CONFIRMATION_MARGIN:.0%} of the fastest, {describe_choice(fastest)}, and with "
+        verdict = (f"{kept} (within {margin:.1%} of the fastest, {describe_choice(fastest)}, and with "
                    "fewer collectives)")
     elif log.current == chosen:
         verdict = "kept"
@@ -190,7 +227,12 @@ def describe(log: TuningLog, chosen: LayoutSetting, whole: LayoutSetting) -> str
     else:
         verdict = f"measured slower than {describe_choice(log.current)}, measured beside it, which is kept"
     return (f"the cost model chose {partitions}, {verdict}: median iteration {ms(log.window_ms)} at best against "
-            f"{ms(log.baseline_ms)} with the configured buckets whole (per setting: {measured})")
+            f"{ms(log.baseline_ms)} with the configured buckets whole (per setting, and per round: {measured}; "
+            f"a margin of {margin:.1%}, from how much iterations of one setting spread)")
+
+
+def _rounds(trial_ms: Sequence[float]) -> str:
+    return ", ".join(f"{ms:.1f}" for ms in trial_ms)
 
 
 def describe_choice(chosen: LayoutSetting) -> str:

@@ -41,12 +41,16 @@ class Decision:
     """Median iteration time of the window that ends here, once tuned."""
     baseline_ms: float | None = None
     """The tuned baseline the windows are compared with."""
+    margin: float | None = None
+    """The verdict of a check of the cost model's choice: how much shorter, as a fraction, a setting
+    had to measure to replace another (`commsched.tuning.confirmation.confirmation_margin`)."""
 
-    LENGTH = 12
+    LENGTH = 13
 
     def encode(self) -> list[float]:
         values = [float(self.phase), *self.setting.encode(), float(self.next_in), float(self.trial),
-                  float(self.trials), none_as(self.ended_ms), none_as(self.window_ms), none_as(self.baseline_ms)]
+                  float(self.trials), none_as(self.ended_ms), none_as(self.window_ms), none_as(self.baseline_ms),
+                  none_as(self.margin)]
         assert len(values) == self.LENGTH
         return values
 
@@ -54,7 +58,7 @@ class Decision:
     def decode(cls, values: Sequence[float]) -> Decision:
         values = [float(v) for v in values]
         return cls(Phase(int(values[0])), LayoutSetting.decode(values[1:6]), int(values[6]), int(values[7]),
-                   int(values[8]), as_none(values[9]), as_none(values[10]), as_none(values[11]))
+                   int(values[8]), as_none(values[9]), as_none(values[10]), as_none(values[11]), as_none(values[12]))
 
 
 def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeout_s: float) -> Decision:

@@ -27,6 +27,8 @@ class TuningLog:
     window_ms: float | None = None
     drift: float | None = None
     """At the latest re-tune: the window's median over the baseline."""
+    margin: float | None = None
+    """The margin the latest verdict of a check of the cost model's choice applied (`Decision.margin`)."""
     settings: list[tuple[int, LayoutSetting]] = field(default_factory=list)
     """Each change: the iteration it took effect at, and the setting."""
 
@@ -44,6 +46,7 @@ class TuningLog:
         self.trial, self.trials = decision.trial, decision.trials
         self.baseline_ms = decision.baseline_ms if decision.phase is Phase.TUNED else None
         self.window_ms = decision.window_ms
+        self.margin = decision.margin
         self.next_switch = iteration + decision.next_in if decision.next_in > 0 else None
 
     @property

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from commsched.planning.cost_model import CONFIRMATION_MARGIN, Setting, candidates
+from commsched.planning.cost_model import MIN_CONFIRMATION_MARGIN, Setting, candidates
 from commsched.simulator import Cluster, DDPConfig, simulate
 from commsched.simulator.adoption import as_run, cost_model_choice
 from commsched.strategy import ParameterServer, Strategy
@@ -36,7 +36,7 @@ def test_a_slow_link_with_two_workers_keeps_partitions():
     adopted = as_run(Strategy(), profile, cluster)
     assert adopted.partition_mb is not None and adopted.partition_mb >= Strategy().partition_mb
     configured = simulate(profile, cluster, Strategy(adaptive=False)).iteration_s
-    assert simulate(profile, cluster, adopted).iteration_s <= configured * (1 + CONFIRMATION_MARGIN)
+    assert simulate(profile, cluster, adopted).iteration_s <= configured * (1 + MIN_CONFIRMATION_MARGIN)
     assert simulate(profile, cluster, adopted).iteration_s < simulate(profile, cluster, DDPConfig()).iteration_s
 
 

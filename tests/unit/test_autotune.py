@@ -274,7 +274,8 @@ def test_every_setting_of_the_space_is_a_valid_strategy_and_the_start_is_in_it(
 
 
 def test_decisions_survive_a_broadcast_exactly():
-    decision = Decision(Phase.RETUNING, LayoutSetting(None, 3.0, 25.0, 0.1, True), 4, 2, 12, 123.456, 99.5, 80.25)
+    decision = Decision(Phase.RETUNING, LayoutSetting(None, 3.0, 25.0, 0.1, True), 4, 2, 12, 123.456, 99.5, 80.25,
+                        0.0125)
     assert Decision.decode(decision.encode()) == decision
     bare = Decision(Phase.TUNING, LayoutSetting(1 / 3, None, 1 / MIB, 1.0, False), 4)
     assert Decision.decode(bare.encode()) == bare

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import CONFIRMATION_MARGIN as MARGIN
+from commsched.planning.cost_model import MAX_CONFIRMATION_MARGIN, MIN_CONFIRMATION_MARGIN
 from commsched.tuning import confirmation
 from commsched.tuning.confirmation import LENGTH, ROUNDS, TRIAL_ITERATIONS, Confirmation, whole_buckets
 from commsched.tuning.controller import SETTLE_ITERATIONS
@@ -64,7 +64,7 @@ def test_trials_alternate_then_one_setting_stays_for_good():
 
 @pytest.mark.parametrize(("chosen_ms", "whole_ms", "kept"), [
     (100.0, 120.0, CHOSEN),    # partitions pay: they stay
-    (100.0, 101.0, WHOLE),     # within the margin: a tie goes to fewer collectives
+    (100.0, 100.5, WHOLE),     # within the margin: a tie goes to fewer collectives
     (128.0, 100.0, WHOLE),     # partitions 28% slower: whole buckets
 ])
 def test_the_verdict(chosen_ms, whole_ms, kept):
@@ -92,7 +92,7 @@ def test_the_settling_iteration_is_not_measured():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), gain=st.sampled_from([-0.3, 0.0, 0.1, 0.2]))
 def test_noise_does_not_flip_a_clear_verdict(seed, gain):
-    """Iteration times with 1% noise: a gain well outside the margin always wins, a loss or tie never does."""
+    """Iteration times with 1% noise: a gain well outside the largest margin always wins, a loss or tie never does."""
     rng = random.Random(seed)
     whole_s = 0.2
 
@@ -101,7 +101,7 @@ def test_noise_does_not_flip_a_clear_verdict(seed, gain):
         return base * (1 + rng.gauss(0, 0.01))
 
     log, _ = run(noisy)
-    assert log.current == (CHOSEN if gain > 2 * MARGIN else WHOLE)
+    assert log.current == (CHOSEN if gain > 2 * MAX_CONFIRMATION_MARGIN else WHOLE)
 
 
 def test_a_slow_spell_in_one_round_does_not_decide():
@@ -126,38 +126,61 @@ def test_a_slow_spell_in_one_round_does_not_decide():
     assert confirmation.faster_in_every_round({CHOSEN: [100.0], WHOLE: [130.0, 100.0]}, CHOSEN, WHOLE) is False
 
 
-def test_a_candidate_faster_in_every_round_is_kept_over_one_that_was_not():
-    """The runner-up beat whole buckets in both rounds; the choice had the shorter median (100.5
-    against 104 ms) but lost the second round: the runner-up stays."""
+def by_round(times_ms: dict[LayoutSetting, tuple[float, float]]) -> Callable[[LayoutSetting, int], float]:
+    """Each setting's iteration time in the first round and in the second, in milliseconds."""
     trial = SETTLE_ITERATIONS + TRIAL_ITERATIONS
-    times_ms = {CHOSEN: (80.0, 121.0), RUNNER_UP: (104.0, 104.0), WHOLE: (130.0, 120.0)}
 
     def cost(setting, iteration):
         first_round = (iteration - WARMUP_ITERATIONS) < len(times_ms) * trial
         return times_ms[setting][0 if first_round else 1] / 1e3
+    return cost
 
-    log, used = run(cost, beside=[RUNNER_UP])
+
+def test_a_candidate_faster_in_every_round_is_kept_over_one_that_was_not():
+    """The runner-up beat whole buckets in both rounds; the choice had the shorter median (100.5
+    against 104 ms) but lost the second round: the runner-up stays."""
+    times_ms = {CHOSEN: (80.0, 121.0), RUNNER_UP: (104.0, 104.0), WHOLE: (130.0, 120.0)}
+    log, used = run(by_round(times_ms), beside=[RUNNER_UP])
     assert log.current == RUNNER_UP and used[-1] == RUNNER_UP
     text = confirmation.describe(log, CHOSEN, WHOLE)
     assert "not faster than the configured buckets sent whole in every round" in text, text
     assert "partitions of 4 MiB, credit 16 MiB, measured beside it, was, and is kept" in text, text
 
 
-@pytest.mark.parametrize(("partitions_ms", "whole_buckets_ms", "kept"), [
-    (339.3, 345.8, BEST_WHOLE),   # within the margin of each other: fewer collectives, in every run alike
-    (353.0, 345.8, BEST_WHOLE),
-    (320.0, 345.8, RUNNER_UP),    # partitions ahead by more than the margin: they stay
+@pytest.mark.parametrize(("partitions_ms", "whole_buckets_ms", "spread", "kept", "margin"), [
+    (339.3, 345.8, 0.04, BEST_WHOLE, "3.0%"),   # within the margin of each other: fewer collectives, every run alike
+    (353.0, 345.8, 0.04, BEST_WHOLE, "3.0%"),
+    (320.0, 345.8, 0.04, RUNNER_UP, "3.0%"),    # partitions ahead by more than the margin: they stay
+    (339.3, 345.8, 0.0, RUNNER_UP, "1.0%"),     # iterations that agree exactly: 1.9% is outside the smallest margin
+    (339.3, 345.8, 0.005, RUNNER_UP, "1.1%"),
+    (339.3, 345.8, 0.015, BEST_WHOLE, "3.0%"),  # rounds 1.5% apart: 1.9% could be noise
 ])
-def test_settings_level_within_the_margin_go_to_fewer_collectives(partitions_ms, whole_buckets_ms, kept):
+def test_settings_level_within_the_margin_go_to_fewer_collectives(partitions_ms, whole_buckets_ms, spread, kept,
+                                                                  margin):
     """Two clusters of one 8-host cell measured 4 MiB partitions and whole 5 MiB buckets within 2%
-    of each other, the other way round in each, and kept one in one and the other in the next."""
-    times_ms = {CHOSEN: 360.0, RUNNER_UP: partitions_ms, BEST_WHOLE: whole_buckets_ms, WHOLE: 440.0}
-    log, used = run(lambda setting, iteration: times_ms[setting] / 1e3, beside=[RUNNER_UP, BEST_WHOLE])
+    of each other, the other way round in each, and kept one in one and the other in the next. The
+    margin follows how much iterations of one setting spread (here whole buckets', the first round
+    slower than the second by ``spread``), from `MIN_CONFIRMATION_MARGIN` to `MAX_CONFIRMATION_MARGIN`."""
+    times_ms = {CHOSEN: (360.0, 360.0), RUNNER_UP: (partitions_ms, partitions_ms),
+                BEST_WHOLE: (whole_buckets_ms, whole_buckets_ms), WHOLE: (440.0 * (1 + spread), 440.0)}
+    log, used = run(by_round(times_ms), beside=[RUNNER_UP, BEST_WHOLE])
     assert log.current == kept and used[-1] == kept
     text = confirmation.describe(log, CHOSEN, WHOLE)
+    assert f"a margin of {margin}, from how much iterations of one setting spread" in text, text
     level = partitions_ms < whole_buckets_ms and kept == BEST_WHOLE
-    assert ("is kept (within 3% of the fastest, partitions of 4 MiB, credit 16 MiB, and with fewer collectives)"
-            in text) == level, text
+    assert (f"is kept (within {margin} of the fastest, partitions of 4 MiB, credit 16 MiB, and with fewer "
+            "collectives)" in text) == level, text
+
+
+@pytest.mark.parametrize(("samples_ms", "margin"), [
+    ({CHOSEN: [100.0] * 6, WHOLE: [120.0] * 6}, MIN_CONFIRMATION_MARGIN),
+    # 0.3% from the median: 0.44% as a standard deviation; four standard errors of a difference of medians of six
+    ({CHOSEN: [99.7, 100.3] * 3, WHOLE: [120.0] * 6}, 4 * 1.2533 * 1.4826 * 0.003 * (2 / 6) ** 0.5),
+    ({CHOSEN: [95.0, 105.0] * 3, WHOLE: [120.0] * 6}, MAX_CONFIRMATION_MARGIN),
+    ({CHOSEN: [100.0], WHOLE: [120.0]}, MAX_CONFIRMATION_MARGIN),  # one iteration each: nothing says how noisy
+])
+def test_the_margin_follows_how_much_iterations_spread(samples_ms, margin):
+    assert confirmation.confirmation_margin(samples_ms) == pytest.approx(margin)
 
 
 def test_whole_buckets_need_no_confirmation():
@@ -176,7 +199,7 @@ def test_a_failure_keeps_whole_buckets_and_ends_the_switch_points():
 @pytest.mark.parametrize(("times_ms", "kept"), [
     ({CHOSEN: 110.0, RUNNER_UP: 100.0, WHOLE: 120.0}, RUNNER_UP),  # the predictions ranked them wrongly
     ({CHOSEN: 100.0, RUNNER_UP: 110.0, WHOLE: 120.0}, CHOSEN),
-    ({CHOSEN: 119.0, RUNNER_UP: 118.0, WHOLE: 120.0}, WHOLE),
+    ({CHOSEN: 119.5, RUNNER_UP: 119.2, WHOLE: 120.0}, WHOLE),  # within the smallest margin
     ({CHOSEN: 110.0, RUNNER_UP: 105.0, BEST_WHOLE: 100.0, WHOLE: 120.0}, BEST_WHOLE),
     ({CHOSEN: 100.0, RUNNER_UP: 105.0, BEST_WHOLE: 110.0, WHOLE: 120.0}, CHOSEN),
 ])
