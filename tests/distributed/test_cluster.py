@@ -86,6 +86,15 @@ def test_hosts_send_without_tcp_autocorking_and_leave_the_machine_alone():
     assert sysctl("net.ipv4.tcp_autocorking") == outside
 
 
+def test_hosts_acknowledge_at_once():
+    """Every host's route to the others carries ``quickack`` (see [Note: immediate ACKs on the
+    emulated hosts]); the tests that train across the hosts show they still reach each other."""
+    with EmulatedCluster(2, LinkSpec(rate_mbit=100)) as cluster:
+        for i, host in enumerate(cluster.hosts):
+            routes = subprocess.run(["ip", "-n", host, "route"], capture_output=True, text=True, check=True).stdout
+            assert f"src {cluster.address(i)}" in routes and "quickack 1" in routes, routes
+
+
 def test_tear_down_also_on_error():
     with pytest.raises(RuntimeError, match="inside the block"):
         with EmulatedCluster(2, LinkSpec(rate_mbit=100)) as cluster:
