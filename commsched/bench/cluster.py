@@ -55,14 +55,18 @@ HOST_ROUTE_OPTIONS = ("quickack", "1")
 
 [Note: immediate ACKs on the emulated hosts] Linux delays the ACK of a
 segment by up to 40 ms in the hope of sending it with data. Among 4 emulated
-hosts at 0.5 Gbit/s, with ``tbf`` queueing each host's packets, 6-12 of 290
-all-reduces of 0.5 MiB took 25-124 ms instead of 11-14 (one rank's part done
-in 12 ms, the others' 40 ms later), and an iteration whose collective met one
-lost that much: torch DDP's and commsched's iterations spread from 226 to
-345 ms in a cell whose median is 235-270. With the route acknowledging at
-once, none of 290 took over 20 ms; on unshaped links, none did either way. The
-emulated links are meant to have a rate, not this, so every host's route
-acknowledges at once (a route option, left with the namespace).
+hosts at 0.5 Gbit/s, with ``tbf`` queueing each host's packets, 21-22 of 290
+all-reduces of 0.5 MiB took more than twice their median of 13 ms, up to
+96-112 ms (one rank's part done, the others' 40 ms or more later), and an
+iteration whose collective met one lost that much: commsched's iterations in
+the VGG16 cell spread from 226 to 409 ms around a median of 235-259. With every
+host's route acknowledging at once, 0-1 of 290 did, the longest 22-30 ms
+(``benchmarks/ack_stalls.py``). Among 2 hosts delayed ACKs cost 1-3 stalls
+of 17-23 ms in 290; among 8, none, and acknowledging at once makes the median
+all-reduce of 0.5 MiB slower there (28 ms against 24: twice the ACK packets, on
+two cores for eight hosts). The emulated links are meant to have a rate, not
+100 ms stalls, so every host's route acknowledges at once (a route option, gone
+with the namespace).
 """
 
 
@@ -134,11 +138,15 @@ def _set_sysctls(namespace: str, settings: Mapping[str, str]) -> None:
 class EmulatedCluster:
     """``num_hosts`` namespaces on one bridge; use as a context manager."""
 
-    def __init__(self, num_hosts: int, link: LinkSpec = LinkSpec(), tag: str | None = None):
+    def __init__(self, num_hosts: int, link: LinkSpec = LinkSpec(), tag: str | None = None,
+                 immediate_acks: bool = True):
+        """``immediate_acks``: every host's route acknowledges at once (`HOST_ROUTE_OPTIONS`); False
+        leaves Linux's delayed ACKs, to measure what they cost (``benchmarks/ack_stalls.py``)."""
         if num_hosts < 1 or num_hosts > 200:
             raise ValueError(f"num_hosts must be between 1 and 200, got {num_hosts}")
         self.num_hosts = num_hosts
         self.link = link
+        self.immediate_acks = immediate_acks
         self.tag = tag or str(os.getpid() % 100000)
         self.switch = f"{PREFIX}{self.tag}sw"
         self.hosts = [f"{PREFIX}{self.tag}h{i}" for i in range(num_hosts)]
@@ -178,8 +186,9 @@ class EmulatedCluster:
             _run("ip", "-n", host, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _run("ip", "-n", host, "link", "set", "eth0", "up")
             _run("ip", "-n", host, "link", "set", "lo", "up")
-            _run("ip", "-n", host, "route", "replace", f"{SUBNET}.0/24", "dev", "eth0", "proto", "kernel",
-                 "scope", "link", "src", self.address(i), *HOST_ROUTE_OPTIONS)
+            if self.immediate_acks:
+                _run("ip", "-n", host, "route", "replace", f"{SUBNET}.0/24", "dev", "eth0", "proto", "kernel",
+                     "scope", "link", "src", self.address(i), *HOST_ROUTE_OPTIONS)
             _set_sysctls(host, HOST_SYSCTLS)
         self.set_link(self.link)
 
@@ -253,11 +262,12 @@ def wait_for_hosts(procs: Sequence[subprocess.Popen], timeout_s: float, what: st
             raise RuntimeError(f"a host of {what} exited with {p.returncode}:\n{err[-3000:]}")
 
 def run_script_on_hosts(script: str, hosts: int, link: LinkSpec, config: Mapping[str, Any], timeout_s: float,
-                        what: str) -> Any:
+                        what: str, immediate_acks: bool = True) -> Any:
     """Run ``python script --worker CONFIG OUT`` on every host of a fresh cluster (one thread each,
     torch's env:// variables set) and return the JSON the script wrote to OUT: a benchmark's worker
-    reads ``config`` from CONFIG, and its rank 0 writes what it measured."""
-    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, link) as cluster:
+    reads ``config`` from CONFIG, and its rank 0 writes what it measured. ``immediate_acks``: as
+    `EmulatedCluster`'s."""
+    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, link, immediate_acks=immediate_acks) as cluster:
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
         config_path.write_text(json.dumps(dict(config)))
         procs = [cluster.popen(host, [sys.executable, script, "--worker", str(config_path), str(out_path)],
