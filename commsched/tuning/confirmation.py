@@ -125,20 +125,19 @@ class Confirmation:
             self._next += 1
             return Decision(Phase.TUNING, self._current, SETTLE_ITERATIONS + self._trial_iterations,
                             trial=self._next, trials=len(self._trials), ended_ms=ended_ms)
-        self._current = self.verdict()
+        margin = confirmation_margin(self._samples)
+        self._current = self.verdict(margin)
         fastest_ms = min((m for m in (_median_ms(self._samples[s]) for s in self.candidates) if m is not None),
                          default=None)
         return Decision(Phase.TUNED, self._current, 0, ended_ms=ended_ms, trials=len(self._trials),
-                        window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]),
-                        margin=confirmation_margin(self._samples))
+                        window_ms=fastest_ms, baseline_ms=_median_ms(self._samples[self.whole]), margin=margin)
 
-    def verdict(self) -> LayoutSetting:
+    def verdict(self, margin: float) -> LayoutSetting:
         """Of the candidates faster than ``whole`` in every round, the fastest by median iteration if it
-        beats ``whole`` by the margin of these trials (`confirmation_margin`), else ``whole``; of
+        beats ``whole`` by ``margin`` (`confirmation_margin` of these trials), else ``whole``; of
         candidates within that margin of the fastest, the one of fewest collectives (`measured_choice`)."""
         medians = {s: statistics.median(t) for s, t in self._samples.items() if t}
-        return measured_choice(consistent(medians, self._trial_medians, self.whole), self.whole,
-                               confirmation_margin(self._samples), _itself)
+        return measured_choice(consistent(medians, self._trial_medians, self.whole), self.whole, margin, _itself)
 
     def stop(self) -> Decision:
         """Something failed on rank 0: whole buckets, the cautious setting, and no more switch points."""
@@ -154,12 +153,18 @@ def confirmation_margin(samples_s: Mapping[LayoutSetting, Sequence[float]]) -> f
     measured = [times for times in samples_s.values() if len(times) >= 2]
     if len(measured) < 2:
         return MAX_CONFIRMATION_MARGIN
-    widest = max(1.4826 * statistics.median(abs(t - statistics.median(times)) for t in times)
-                 / statistics.median(times) for times in measured)
+    widest = max(_relative_spread(times) for times in measured)
     fewest = min(len(times) for times in measured)
     # The median of n samples varies about 1.25 times as much as their mean; the difference of two, sqrt(2) times.
     margin = STANDARD_ERRORS * 1.2533 * widest * math.sqrt(2 / fewest)
     return min(MAX_CONFIRMATION_MARGIN, max(MIN_CONFIRMATION_MARGIN, margin))
+
+
+def _relative_spread(times: Sequence[float]) -> float:
+    """A robust standard deviation of ``times`` over their median: 1.4826 times the median distance
+    from the median (a normal distribution's standard deviation, unmoved by one slow iteration)."""
+    middle = statistics.median(times)
+    return 1.4826 * statistics.median(abs(t - middle) for t in times) / middle
 
 
 def faster_in_every_round(trial_ms: Mapping[LayoutSetting, Sequence[float]], setting: LayoutSetting,
