@@ -19,6 +19,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+WHOLE_FIRST_BUCKET_BYTES = 2**20
+"""The largest first bucket (in forward order) whose state every rank keeps whole; see
+[Note: the first bucket is not sharded] in `commsched.update.sharded`."""
+
+
+def gathered_buckets(bucket_bytes: Sequence[int], first: int) -> int:
+    """How many of these buckets sharded state all-gathers each step: all but bucket ``first``
+    (the forward pass's first) where it is kept whole, being small and not the only one."""
+    whole = len(bucket_bytes) > 1 and bucket_bytes[first] <= WHOLE_FIRST_BUCKET_BYTES
+    return len(bucket_bytes) - int(whole)
+
 
 @dataclass(frozen=True)
 class Fragment:

@@ -14,7 +14,8 @@ all-gathers go on a process group of their own (one per user group, shared by
 the models sharded on it), issued in one order on every rank (`update_order`,
 the forward order of the buckets): the updates run when the forward pass needs
 them, whose timing differs between ranks, and a group shared with anything else
-would match operations by arrival.
+would match operations by arrival. On gloo they go one at a time (see
+[Note: one all-gather at a time] in `commsched.update.gather_queue`).
 
 State keeps torch.optim's format wherever it leaves commsched:
 ``optimizer.state_dict()`` gathers the full per-parameter state (a collective:
@@ -58,10 +59,11 @@ import torch.distributed as dist
 
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import view_like
-from commsched.layout.shards import BucketShard, Fragment, ShardStatus, shard_bucket
+from commsched.layout.shards import WHOLE_FIRST_BUCKET_BYTES, BucketShard, Fragment, ShardStatus, shard_bucket
 from commsched.update import sharded_checkpoint
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
+from commsched.update.gather_queue import QueuedGather, gather_queue_for, one_at_a_time
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind, unsupported_reason
 from commsched.update.step_records import StepRecords
@@ -72,9 +74,6 @@ if TYPE_CHECKING:
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
 
-WHOLE_FIRST_BUCKET_BYTES = 2**20
-"""The largest first bucket (in forward order) whose state every rank keeps whole; see
-[Note: the first bucket is not sharded]."""
 
 FullState = dict[torch.nn.Parameter, dict[str, Any]]
 """Per parameter, torch.optim's state for it (whole tensors)."""
@@ -114,7 +113,7 @@ class ShardedUpdate:
         self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
         self._kind = optimizer_kind(optimizer)
         device = next(p.device for group in optimizer.param_groups for p in group["params"])
-        self.step_records = StepRecords(self._kind, optimizer, gather_group, device, timeout_s)
+        self.step_records = StepRecords(self._kind, optimizer, self._group_after_gathers, device, timeout_s)
         """What a rank out of batches under Join learns of the others' steps (see
         [Note: a joined rank's shard] in `commsched.update.step_records`)."""
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -128,7 +127,8 @@ class ShardedUpdate:
         self._state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         """Per fragment of a parameter (its view into the flat buffer), the optimizer's state."""
         self._updater: BucketUpdater | None = None
-        self._in_flight: dict[int, dist.Work] = {}
+        self._gathers: dict[int, QueuedGather] = {}
+        """Per bucket, its all-gather not yet awaited."""
         self._pending_load: str | os.PathLike | None = None
         """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
@@ -211,22 +211,32 @@ class ShardedUpdate:
 
     def update(self, bucket: int, hyperparameters: Hyperparameters, skip_slots: frozenset[int],
                scaling: GradScaling | None) -> None:
-        """Update this rank's chunk of ``bucket``, then start gathering every rank's chunk."""
+        """Update this rank's chunk of ``bucket``, then gather every rank's chunk (see
+        [Note: one all-gather at a time] in `commsched.update.gather_queue`)."""
         self._updater.update(bucket, hyperparameters, skip_slots, scaling)
         shard, flat = self._shards[bucket], self._flats[bucket]
         if shard.world_size == 1:
             return
         mine = flat[shard.start:shard.start + shard.chunk]
-        self._in_flight[bucket] = all_gather_single(flat, mine, group=self._group(), async_op=True)
+        group = self._group()
+        self._gathers[bucket] = gather_queue_for(group).submit(
+            lambda: all_gather_single(flat, mine, group=group, async_op=True),
+            f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
+            f"{shard.chunk} from each rank)",
+            one_at_a_time(flat.device))
 
     def wait_updated(self, bucket: int) -> None:
         """Every rank's updated chunk of ``bucket`` is in the parameters."""
-        work = self._in_flight.pop(bucket, None)
-        if work is not None:
-            shard = self._shards[bucket]
-            wait_or_raise(work, self._timeout_s,
-                          f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
-                          f"{shard.chunk} from each rank)")
+        gather = self._gathers.pop(bucket, None)
+        if gather is not None:
+            gather_queue_for(self._group()).wait(gather, self._timeout_s)
+
+    def _group_after_gathers(self) -> dist.ProcessGroup:
+        """The all-gathers' group for any other collective: every queued all-gather starts first, so
+        that it comes after them on every rank."""
+        group = self._group()
+        gather_queue_for(group).start_all()
+        return group
 
     def step_on_current_gradients(self, optimizer_step: Callable[[], object], again: bool) -> None:
         """Every bucket updated on ``.grad`` as it is now (averaged: every rank holds the same),
@@ -277,7 +287,7 @@ class ShardedUpdate:
         """Each rank writes its own fragments with ``torch.distributed.checkpoint`` (collective);
         see `commsched.update.sharded_checkpoint`."""
         pieces, scalars = self._pieces(template=False)
-        sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group())
+        sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group_after_gathers())
 
     def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
         """Each rank reads its own fragments of what `save_sharded` wrote, in any world size and
@@ -288,7 +298,7 @@ class ShardedUpdate:
             return
         pieces, scalars = self._pieces(template=True)
         loaded, param_groups = sharded_checkpoint.load(pieces, scalars, self._param_groups(), checkpoint_id,
-                                                       self._group())
+                                                       self._group_after_gathers())
         torch.optim.Optimizer.load_state_dict(self._optimizer, {"state": {}, "param_groups": param_groups})
         where = self._fragment_names()
         self._state = defaultdict(dict)
@@ -404,14 +414,14 @@ class ShardedUpdate:
         return state
 
     def _wait_all_updated(self) -> None:
-        for bucket in list(self._in_flight):
+        for bucket in list(self._gathers):
             self.wait_updated(bucket)
 
     def _gather_bucket(self, bucket: int) -> FullState:
         """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
         per kind of state tensor, and one all-reduce of which parameters have state and their
         step. The tensors are views into one buffer per kind."""
-        group = self._group()
+        group = self._group_after_gathers()
         shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
                                           self._fragments[bucket])
         gathered: FullState = {}
