@@ -25,11 +25,14 @@ class LayoutSetting:
     bucket_cap_mb: float
     first_bucket_mb: float
     overlap_forward: bool
+    gathers: bool = False
+    """Sharded optimizer state: the updated parameters of each bucket are all-gathered, one
+    bucket at a time (the cost model charges each its fixed cost)."""
 
     @classmethod
     def of(cls, strategy: Strategy) -> LayoutSetting:
         return cls(strategy.partition_mb, strategy.credit_mb, strategy.bucket_cap_mb, strategy.first_bucket_mb,
-                   strategy.overlap_forward)
+                   strategy.overlap_forward, strategy.shards_optimizer)
 
     def applied(self, strategy: Strategy) -> Strategy:
         """``strategy`` with this setting (validated by `Strategy` as any other)."""

@@ -34,6 +34,14 @@ already counts where they delay anything and which cost the host nothing where
 they do not. On a GPU cluster that share is small and overlap is nearly free; on
 loopback, where the link is the host's own CPU, it is large and overlapping
 hides almost nothing. The cheapest wins; a tie goes to fewer collectives.
+
+With sharded optimizer state each bucket's updated parameters are all-gathered
+as well, one bucket at a time on gloo ([Note: one all-gather at a time] in
+`commsched.update.gather_queue`), so each gathered bucket adds the link's fixed
+cost in full, besides the bytes every candidate gathers alike. Without it the
+cost model put 1 MiB buckets (six all-gathers) level with 5 MiB ones behind a
+1 MiB first bucket (two) on the emulated ResNet-50 at 8 hosts, and the check
+measured the former, 10-15% slower.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import torch
 from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.layout.setting import LayoutSetting
+from commsched.layout.shards import gathered_buckets
 from commsched.planning.schedule import LinkModel, simulate_schedule
 from commsched.strategy import MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, Strategy
 
@@ -134,10 +143,13 @@ class Prediction:
     times the transport's CPU share."""
     contention_s: float = 0.0
     """Predicted slowdown of computation by communication running beside it."""
+    gathers: int = 0
+    gather_s: float = 0.0
+    """Sharded state's all-gathers of the buckets' updated parameters: the fixed cost of each."""
 
     @property
     def cost_s(self) -> float:
-        return self.wait_s + self.host_s + self.contention_s
+        return self.wait_s + self.host_s + self.contention_s + self.gather_s
 
 
 @dataclass(frozen=True)
@@ -163,13 +175,16 @@ class Choice:
             return f"rank 0's cost model chose {self.setting.describe()}"
         chosen = next(p for p in self.predictions if p.setting == self.setting)
         others = "; ".join(
-            f"{p.setting.describe()}: {p.cost_s * 1e3:.2f} ms ({p.collectives} collectives)"
+            f"{p.setting.describe()}: {p.cost_s * 1e3:.2f} ms ({p.collectives} collectives"
+            + (f", {p.gathers} all-gathers)" if p.gathers else ")")
             for p in self.predictions if p.setting != self.setting
         )
         return (
             f"{self.setting.describe()}: predicted {chosen.wait_s * 1e3:.2f} ms waiting for communication "
             f"+ {chosen.host_s * 1e3:.2f} ms for {chosen.collectives} collectives "
-            f"+ {chosen.contention_s * 1e3:.2f} ms of computation slowed by it per iteration"
+            f"+ {chosen.contention_s * 1e3:.2f} ms of computation slowed by it"
+            + (f" + {chosen.gather_s * 1e3:.2f} ms for {chosen.gathers} all-gathers" if chosen.gathers else "")
+            + " per iteration"
             + (f"; against {others}" if others else "")
         )
 
@@ -299,7 +314,10 @@ def predict(
     )
     cpu_share = min(1.0, max(0.0, timeline.transport_cpu_share))
     host_s = len(partitions) * (COLLECTIVE_HOST_S + timeline.link.latency_s * cpu_share)
-    return Prediction(setting, len(partitions), wait, host_s, beside_compute * cpu_share)
+    bucket_bytes = [n * size for n, size in zip(numels, sizes, strict=True)]
+    gathers = gathered_buckets(bucket_bytes, flags_bucket) if layout.gathers else 0
+    return Prediction(setting, len(partitions), wait, host_s, beside_compute * cpu_share, gathers,
+                      gathers * timeline.link.latency_s)
 
 
 def _overlap(start: float, end: float, end_of_backward: float, wait: float, computing_until: float) -> float:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Setting, Timeline, applied, candidates, choose
+from commsched.planning.cost_model import Setting, Timeline, applied, candidates, choose, predict
 from commsched.planning.schedule import LinkModel
-from commsched.strategy import MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, Strategy
+from commsched.strategy import MIB, MIN_BUCKET_MB, MIN_PARTITION_MB, AllReduce, Strategy
 
 CONFIGURED = Setting(partition_mb=1.0, credit_mb=4.0)
 WHOLE = Setting(None, None)
@@ -191,3 +192,31 @@ def test_the_runner_up_is_the_cheapest_other_partitioning():
         partitioned = sorted((p for p in choice.predictions if p.setting.partition_mb is not None
                               and p.setting != choice.setting), key=lambda p: (round(p.cost_s, 6), p.collectives))
         assert choice.runner_up == partitioned[0].setting, choice.reason
+
+
+def test_sharded_state_pays_the_fixed_cost_of_each_gathered_bucket():
+    """With sharded optimizer state each bucket's parameters are all-gathered, one bucket at a time
+    ([Note: one all-gather at a time]): each gathered bucket costs the link's fixed cost, the small
+    bucket the forward pass needs first excepted where it is kept whole (at most 1 MiB). Of eight
+    1 MiB tensors, whole 1 MiB buckets gather 7; 5 MiB ones behind a 1 MiB first bucket (the
+    output side's) gather 3, the input side's 2 MiB included."""
+    params = layers()
+    link = LinkModel(latency_s=5e-3, bytes_per_s=80 * 2**20)
+    line = timeline(params, backward_s=0.2, forward_s=0.1, link=link)
+    small, large = Setting(None, None, 1.0, None), Setting(None, None, 5.0, 1.0)
+    plain = LayoutSetting.of(Strategy())
+    sharded = LayoutSetting.of(Strategy(backend=AllReduce(shard_optimizer=True)))
+    assert not plain.gathers and sharded.gathers
+
+    def cost(setting, layout):
+        return predict(setting, params, list(range(len(params))), layout, True, line)
+
+    for setting, gathers in ((small, 7), (large, 3)):
+        assert cost(setting, plain).gathers == 0
+        assert cost(setting, sharded).gathers == gathers
+        assert cost(setting, sharded).cost_s == pytest.approx(cost(setting, plain).cost_s + gathers * 5e-3)
+    one_bucket = Setting(None, None, 25.0, None)
+    assert cost(one_bucket, sharded).gathers == 1, "the only bucket is sharded, whatever its size"
+    strategy = Strategy(backend=AllReduce(shard_optimizer=True))
+    choice = choose(LayoutSetting.of(strategy), True, params, list(range(len(params))), line)
+    assert "all-gathers" in choice.reason
