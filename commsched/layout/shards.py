@@ -24,11 +24,15 @@ WHOLE_FIRST_BUCKET_BYTES = 2**20
 [Note: the first bucket is not sharded] in `commsched.update.sharded`."""
 
 
+def first_kept_whole(bucket_bytes: Sequence[int], first: int) -> bool:
+    """Whether sharded state keeps bucket ``first`` (the forward pass's first) whole on every
+    rank: it is small and not the only one."""
+    return len(bucket_bytes) > 1 and bucket_bytes[first] <= WHOLE_FIRST_BUCKET_BYTES
+
+
 def gathered_buckets(bucket_bytes: Sequence[int], first: int) -> int:
-    """How many of these buckets sharded state all-gathers each step: all but bucket ``first``
-    (the forward pass's first) where it is kept whole, being small and not the only one."""
-    whole = len(bucket_bytes) > 1 and bucket_bytes[first] <= WHOLE_FIRST_BUCKET_BYTES
-    return len(bucket_bytes) - int(whole)
+    """How many of these buckets sharded state all-gathers each step: all but one kept whole."""
+    return len(bucket_bytes) - int(first_kept_whole(bucket_bytes, first))
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def gather_queue_for(group: dist.ProcessGroup) -> GatherQueue:
         return _QUEUES[group]
 
 
-def one_at_a_time(device: torch.device) -> bool:
+def gathers_one_at_a_time(device: torch.device) -> bool:
     """Whether all-gathers of tensors on ``device`` are held back to run one at a time: in host
     memory (gloo, which runs two at once); not CUDA tensors (NCCL's stream orders them, and a
     communication thread would start them on another stream than the update's)."""

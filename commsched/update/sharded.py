@@ -40,7 +40,7 @@ first (the input side's, reduced last in backward) has no computation before
 it to hide its all-gather: sharded, each forward pass would begin by waiting
 for the end of backward's last reduction, then that bucket's update, then its
 all-gather, a round trip that dominates for a small bucket. Where the layout
-has more than one bucket and that one holds at most `WHOLE_FIRST_BUCKET_BYTES`,
+has more than one bucket and that one holds at most `commsched.layout.shards.WHOLE_FIRST_BUCKET_BYTES`,
 every rank keeps its whole state and updates all of it, as the unsharded
 backend does (same averaged gradients, same kernel: the same values on every
 rank), and no all-gather is needed. It costs at most that bucket's state
@@ -59,11 +59,11 @@ import torch.distributed as dist
 
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import view_like
-from commsched.layout.shards import WHOLE_FIRST_BUCKET_BYTES, BucketShard, Fragment, ShardStatus, shard_bucket
+from commsched.layout.shards import BucketShard, Fragment, ShardStatus, first_kept_whole, shard_bucket
 from commsched.update import sharded_checkpoint
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
-from commsched.update.gather_queue import QueuedGather, gather_queue_for, one_at_a_time
+from commsched.update.gather_queue import QueuedGather, gather_queue_for, gathers_one_at_a_time
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind, unsupported_reason
 from commsched.update.step_records import StepRecords
@@ -73,7 +73,6 @@ if TYPE_CHECKING:
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
-
 
 FullState = dict[torch.nn.Parameter, dict[str, Any]]
 """Per parameter, torch.optim's state for it (whole tensors)."""
@@ -223,7 +222,7 @@ class ShardedUpdate:
             lambda: all_gather_single(flat, mine, group=group, async_op=True),
             f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
             f"{shard.chunk} from each rank)",
-            one_at_a_time(flat.device))
+            gathers_one_at_a_time(flat.device))
 
     def wait_updated(self, bucket: int) -> None:
         """Every rank's updated chunk of ``bucket`` is in the parameters."""
@@ -483,9 +482,9 @@ class ShardedUpdate:
 
 def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
     """The bucket every rank updates whole, if any: see [Note: the first bucket is not sharded]."""
-    if len(order) < 2:
+    if not order:
         return None
-    return order[0] if layout.buckets[order[0]].nbytes <= WHOLE_FIRST_BUCKET_BYTES else None
+    return order[0] if first_kept_whole([bucket.nbytes for bucket in layout.buckets], order[0]) else None
 
 
 def _offsets(params: Sequence[torch.Tensor]) -> list[int]:

@@ -27,6 +27,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
+import commsched.layout.shards
 import commsched.update.sharded
 from commsched.bench.memory import fix_mmap_threshold, own_peak_rss_mib
 from commsched.layout.grad_layout import GradLayout, build_layout
@@ -298,14 +299,14 @@ def case_first_bucket_whole_when_small(rank, world_size):
 
     two_buckets = sharded(bucket_cap_mb=1e-4, first_bucket_mb=1e-4, adaptive=False)
     assert whole_buckets(16, two_buckets) == (16 * 8 + 8,)
-    large = commsched.update.sharded.WHOLE_FIRST_BUCKET_BYTES // 4 // 8 + 1  # just over the limit
+    large = commsched.layout.shards.WHOLE_FIRST_BUCKET_BYTES // 4 // 8 + 1  # just over the limit
     assert whole_buckets(large, two_buckets) == ()
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
 def case_with_first_bucket_sharded(case) -> None:
     """``case()`` with every bucket sharded, the first one the forward pass needs included."""
-    with mock.patch.object(commsched.update.sharded, "WHOLE_FIRST_BUCKET_BYTES", 0):
+    with mock.patch.object(commsched.layout.shards, "WHOLE_FIRST_BUCKET_BYTES", 0):
         case()
 
 

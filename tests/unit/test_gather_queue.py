@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commsched.errors import CommunicationTimeout
-from commsched.update.gather_queue import GatherQueue, one_at_a_time
+from commsched.update.gather_queue import GatherQueue, gathers_one_at_a_time
 
 
 class FakeGather:
@@ -117,8 +117,8 @@ def test_a_gather_that_fails_to_start_raises_at_its_wait():
 
 
 def test_only_tensors_in_host_memory_are_held_back():
-    assert one_at_a_time(torch.device("cpu"))
-    assert not one_at_a_time(torch.device("cuda", 0))
+    assert gathers_one_at_a_time(torch.device("cpu"))
+    assert not gathers_one_at_a_time(torch.device("cuda", 0))
 
 
 @settings(max_examples=200, deadline=None)
