@@ -34,6 +34,12 @@ DDP* is the fastest of the DDP bucket sizes. Then the targets:
 - memory: best DDP's peak RSS minus the sharded one's >= 60% of the state saved
   (best DDP's state minus the sharded one's); the same against ``AllReduce()``;
 - time: sharded / ``AllReduce()`` <= 1.03, and sharded / FSDP2.
+
+On the emulated workloads, whose computation is known, each system also gets its bound
+(`commsched.simulator.bound_s`; for the sharded systems and FSDP2 `sharded_bound_s`, [Note: the
+bound of sharded state]: the parameters' all-gather cannot start before the backward pass ends)
+and its time over it: where the sharded bound is above ``AllReduce()``'s, no schedule meets the
+1.03 target.
 """
 
 from __future__ import annotations
@@ -136,17 +142,35 @@ def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namesp
 
 
 # ------------------------------------------------------------------ report
+def bounds(workload: str, hosts: int, rate_gbit: float, names: list[str]) -> dict[str, float]:
+    """Each system's bound in seconds (see the module's docstring); empty where the workload's
+    computation is not known beforehand (the real-compute models)."""
+    from commsched.bench.emulated import EMULATED_WORKLOADS
+    from commsched.simulator import Cluster, bound_s, sharded_bound_s
+
+    if workload not in EMULATED_WORKLOADS:
+        return {}
+    profile, cluster = EMULATED_WORKLOADS[workload].as_emulated(), Cluster(hosts, rate_gbit)
+    sharded = {SHARDED.name: False, FIXED.name: False, SCATTERED.name: True, FSDP2.name: True}
+    return {name: sharded_bound_s(profile, cluster, sharded[name]) if name in sharded else bound_s(profile, cluster)
+            for name in names}
+
+
 def _median(runs: list[dict], name: str, value) -> float:
     return statistics.median(value(run[name]) for run in runs)
 
 
-def summarize(hosts: int, optimizer: str, runs: list[dict], ddp_names: list[str]) -> dict:
-    """Medians over repeats by system, and the targets' figures (best DDP: the fastest of ``ddp_names``)."""
+def summarize(hosts: int, optimizer: str, runs: list[dict], ddp_names: list[str],
+              bounds_s: dict[str, float] | None = None) -> dict:
+    """Medians over repeats by system, and the targets' figures (best DDP: the fastest of ``ddp_names``;
+    ``bounds_s``: each system's bound, where known)."""
     systems = {}
     for name in runs[0]:
         update_s = [r[name]["update_s"] for r in runs if r[name]["update_s"]]
+        bound = (bounds_s or {}).get(name)
         systems[name] = {
             "ms": _median(runs, name, lambda r: statistics.median(r["iteration_times_s"])) * 1e3,
+            "bound_ms": None if bound is None else bound * 1e3,
             "peak_rss_mib": _median(runs, name, lambda r: r["peak_rss_mib"]),
             "state_mib": _median(runs, name, lambda r: r["optimizer_state_bytes"]) / MIB,
             "update_ms": statistics.median(statistics.median(u) for u in update_s) * 1e3 if update_s else None,
@@ -179,12 +203,13 @@ def _share(other: dict, sharded: dict) -> float:
 
 def markdown(cell: dict, rate_gbit: float) -> str:
     lines = [f"{cell['optimizer']}, {cell['hosts']} hosts, {rate_gbit:g} Gbit/s (best DDP: {cell['best_ddp']})",
-             "", "| system | ms | / AllReduce() | peak RSS MiB | state MiB per rank | update ms | final loss |",
-             "|---|---|---|---|---|---|---|"]
-    full = cell["systems"][ALLREDUCE.name]["ms"]
+             "", "| system | ms | / AllReduce() | bound ms | / bound | peak RSS MiB | state MiB per rank | update ms "
+             "| final loss |", "|---|---|---|---|---|---|---|---|---|"]
+    full = cell["systems"][ALLREDUCE.name]
     for name, s in cell["systems"].items():
         update = "-" if s["update_ms"] is None else f"{s['update_ms']:.1f}"
-        lines.append(f"| {name} | {s['ms']:.1f} | {s['ms'] / full:.3f} | {s['peak_rss_mib']:.0f} "
+        bound = "- | -" if s.get("bound_ms") is None else f"{s['bound_ms']:.1f} | {s['ms'] / s['bound_ms']:.3f}"
+        lines.append(f"| {name} | {s['ms']:.1f} | {s['ms'] / full['ms']:.3f} | {bound} | {s['peak_rss_mib']:.0f} "
                      f"| {s['state_mib']:.1f} | {update} | {s['final_loss']:.4f} |")
     for name, t in cell["targets"].items():
         ours = cell["systems"][name]
@@ -197,6 +222,9 @@ def markdown(cell: dict, rate_gbit: float) -> str:
                   f"- time / AllReduce() {t['time_vs_allreduce']:.3f} (target <= 1.03: "
                   f"{_verdict(t['time_vs_allreduce'] <= 1.03)}), / FSDP2 {t['time_vs_fsdp2']:.3f}, "
                   f"/ best DDP {t['time_vs_best_ddp']:.3f}"]
+        if ours.get("bound_ms") is not None and full.get("bound_ms") is not None:
+            lines.append(f"- its bound {ours['bound_ms']:.1f} ms is {ours['bound_ms'] / full['bound_ms']:.3f} times "
+                         f"AllReduce()'s ({full['bound_ms']:.1f} ms; see [Note: the bound of sharded state])")
     return "\n".join(lines) + "\n"
 
 
@@ -249,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             outputs = [run_cell(hosts, args.rate_gbit, optimizer, args) for _ in range(args.repeats)]
             runs = [output["systems"] for output in outputs]
-            cell = summarize(hosts, optimizer, runs, [ddp.name for ddp in ddp_sweep(args.ddp_bucket_mb)])
+            cell = summarize(hosts, optimizer, runs, [ddp.name for ddp in ddp_sweep(args.ddp_bucket_mb)],
+                             bounds(args.workload, hosts, args.rate_gbit, list(runs[0])))
             record["cells"].append({**cell, "runs": runs, "phases_s": [output["phases_s"] for output in outputs]})
             report.append(markdown(cell, args.rate_gbit))
             phases = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in outputs[0]["phases_s"].items())

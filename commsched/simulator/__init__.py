@@ -75,10 +75,11 @@ wire.
 from __future__ import annotations
 
 from commsched.simulator.cluster import Cluster
-from commsched.simulator.engine import bound_s, simulate
+from commsched.simulator.engine import bound_s, sharded_bound_s, simulate
 from commsched.simulator.search import best_strategy, strategy_space
 from commsched.simulator.spec import DDPConfig, SimResult, meta_parameters
 
 __all__ = [
-    "Cluster", "DDPConfig", "SimResult", "best_strategy", "bound_s", "meta_parameters", "simulate", "strategy_space",
+    "Cluster", "DDPConfig", "SimResult", "best_strategy", "bound_s", "meta_parameters", "sharded_bound_s", "simulate",
+    "strategy_space",
 ]

@@ -468,3 +468,33 @@ def bound_s(profile: Profile, cluster: Cluster) -> float:
         link = cluster.workers * math.ceil(model.total_bytes / cluster.servers) / cluster.bytes_per_s
         return max(compute, link)
     return max(compute + model.update_s, cluster.allreduce_s(model.total_bytes))
+
+
+def sharded_bound_s(profile: Profile, cluster: Cluster, reduce_scatter: bool) -> float:
+    """The bound of sharded optimizer state (``AllReduce(shard_optimizer=True)``, ZeRO-1; with
+    ``reduce_scatter``, ZeRO-2), on an all-reduce link: `bound_s`, and what sharding adds to it.
+
+    [Note: the bound of sharded state] A rank updates its chunk of a bucket at ``step()``, after
+    the backward pass, so the other ranks' new values reach it only then: (N - 1) / N of every
+    parameter's bytes on each link, between the end of one backward pass and the first use of
+    the last parameter in the next forward pass. A bucket kept whole instead is all-reduced,
+    twice those bytes, and it too starts only when its last gradient is ready. So an iteration
+    takes at least the backward pass, then that gather at the link rate (or the forward pass up
+    to that first use, if longer), then the rest of the forward pass. Where the gather outlasts
+    the forward pass (the emulated ResNet-50 on 8 hosts at 0.5 Gbit/s: 107 against 69 ms), this
+    is above the all-reduce backend's bound, for any schedule: the parameters' new values cannot
+    be sent before they exist. ZeRO-1 also all-reduces every gradient, so its link carries
+    3 (N - 1) / N of the parameters' bytes per iteration, against an all-reduce's 2 (N - 1) / N.
+    """
+    bound = bound_s(profile, cluster)
+    n = cluster.workers
+    if n == 1 or cluster.servers:
+        return bound
+    model = model_of(profile)
+    gathered_s = (n - 1) * cluster.latency_s + (n - 1) / n * model.total_bytes / cluster.bytes_per_s
+    last_use_s = max(model.first_use_s, default=0.0)
+    after_backward = model.backward_end_s + max(last_use_s, gathered_s) + model.forward_s - last_use_s
+    bound = max(bound, after_backward)
+    if not reduce_scatter:
+        bound = max(bound, 3 * (n - 1) / n * model.total_bytes / cluster.bytes_per_s)
+    return bound

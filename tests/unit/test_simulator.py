@@ -15,7 +15,16 @@ from commsched.layout.partitions import make_partitions
 from commsched.planning.schedule import LinkModel, simulate_schedule
 from commsched.planning.wire import Flight, Wire, wire_share
 from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
-from commsched.simulator import Cluster, DDPConfig, SimResult, best_strategy, bound_s, simulate, strategy_space
+from commsched.simulator import (
+    Cluster,
+    DDPConfig,
+    SimResult,
+    best_strategy,
+    bound_s,
+    sharded_bound_s,
+    simulate,
+    strategy_space,
+)
 from commsched.simulator.engine import first_bucket_pays
 from commsched.strategy import MIB, AllReduce, ParameterServer, Strategy
 
@@ -456,6 +465,24 @@ def test_no_parameter_server_system_beats_its_bound(sizes, servers, workers, gbi
     cluster = Cluster(workers, gbit_s, servers=servers)
     strategy = Strategy(backend=ParameterServer(num_servers=servers), partition_mb=partition, adaptive=False)
     assert simulate(profile, cluster, strategy).iteration_s >= bound_s(profile, cluster) * (1 - 1e-9)
+
+
+def test_sharded_state_is_bound_by_the_gather_after_the_backward_pass():
+    """[Note: the bound of sharded state] The new values exist only after backward: where their
+    all-gather outlasts the forward pass, the bound is the backward pass, the gather, and the
+    forward pass after the last parameter's first use; ZeRO-1's link also carries an all-reduce."""
+    profile = make_profile([4.0] * 25, forward_s=0.04, backward_s=0.1, update_s=0.0)  # 100 MiB
+    slow = Cluster(8, 8.0, latency_s=0.0)  # 1e9 bytes/s: the gather takes 7/8 * 100 MiB / 1e9 = 91.8 ms
+    gather_s = 7 / 8 * 100 * MIB / 1e9
+    last_use_s = 0.04 * 24 / 25
+    assert sharded_bound_s(profile, slow, reduce_scatter=True) == pytest.approx(0.1 + gather_s + 0.04 - last_use_s)
+    assert sharded_bound_s(profile, slow, reduce_scatter=True) > bound_s(profile, slow)
+    assert sharded_bound_s(profile, slow, reduce_scatter=False) == pytest.approx(3 * gather_s)
+    # A link ten times faster: the gather hides in the forward pass, and sharding adds nothing.
+    fast = Cluster(8, 80.0, latency_s=0.0)
+    for reduce_scatter in (False, True):
+        assert sharded_bound_s(profile, fast, reduce_scatter) == pytest.approx(bound_s(profile, fast))
+        assert sharded_bound_s(profile, Cluster(1, 8.0), reduce_scatter) == bound_s(profile, Cluster(1, 8.0))
 
 
 def test_bound_with_servers_is_the_busiest_server_link():
