@@ -30,6 +30,7 @@ class ServerSideUpdate(UnshardedState):
     overlap_blocker = None
     per_bucket = True
     update_order = None
+    local_updates: frozenset[int] = frozenset()
     step_records = None
     join_refusal = None
     foreign_step_refusal = (

@@ -76,6 +76,11 @@ class UpdatePolicy(Protocol):
     collectives: see [Note: sharded optimizer state] in `commsched.update.sharded`), or None:
     any order."""
 
+    local_updates: frozenset[int]
+    """Buckets whose update starts no collective (sharded state's bucket kept whole): they may be
+    updated out of `update_order` (see [Note: updates ahead of a local bucket] in
+    `commsched.engine.backward_pass`)."""
+
     def snapshot(self) -> Hyperparameters:
         """The hyper-parameters to update with, read at ``step()``."""
 

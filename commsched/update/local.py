@@ -23,6 +23,7 @@ class LocalUpdate(UnshardedState):
 
     foreign_step_refusal = None
     update_order = None
+    local_updates: frozenset[int] = frozenset()
     step_records = None
     join_refusal = None
 

@@ -132,6 +132,8 @@ class ShardedUpdate:
         """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
         """Buckets in the order their updates run on every rank (forward order)."""
+        self.local_updates: frozenset[int] = frozenset()
+        """The bucket every rank updates whole, if any: it gathers nothing."""
 
     # ------------------------------------------------------------- layout
     def attach(self, layout: GradLayout) -> None:
@@ -163,6 +165,7 @@ class ShardedUpdate:
                            for fragments in self._fragments],
         )
         self.update_order = order
+        self.local_updates = frozenset(s.bucket for s in self._shards if s.world_size == 1)
         if self._pending_load is not None:
             checkpoint_id, self._pending_load = self._pending_load, None
             self.load_sharded(checkpoint_id)

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 from unittest import mock
 
 import pytest
@@ -30,11 +31,13 @@ import commsched
 import commsched.layout.shards
 import commsched.update.sharded
 from commsched.bench.memory import fix_mmap_threshold, own_peak_rss_mib
+from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout.grad_layout import GradLayout, build_layout
 from commsched.testing import (
     OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
+    one_process_step,
     reference_copy,
     run_subtests,
 )
@@ -304,6 +307,70 @@ def case_first_bucket_whole_when_small(rank, world_size):
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps ``seconds`` first."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _InputLayerLate(torch.nn.Module):
+    """A small input layer whose gradients can come late (``late_s``), before larger layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.rest = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        self.late_s = 0.0
+
+    def forward(self, x):
+        hidden = self.first(x)
+        return self.rest(_SlowBackward.apply(hidden, self.late_s) if self.late_s else hidden)
+
+
+def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
+    """A rank whose first gate waits for the whole first bucket's reduction (one rank's input layer
+    comes late) updates the buckets after it meanwhile, and starts their all-gathers ([Note:
+    updates ahead of a local bucket]); every rank's parameters stay the single process's."""
+    torch.manual_seed(0)
+    model = _InputLayerLate()
+    reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adamw"])
+    strategy = sharded(priority=False, bucket_cap_mb=0.001, first_bucket_mb=0.0005, adaptive=False, timeout_s=60)
+    model, optimizer = commsched.prepare(model, OPTIMIZERS["adamw"](model.parameters()), strategy)
+    late = WARMUP_ITERATIONS + 1
+    updated: list[int] = []
+    generator = torch.Generator().manual_seed(7)
+    for iteration in range(late + 3):
+        x, y = torch.randn(2 * world_size, 8, generator=generator), torch.randn(2 * world_size, 4, generator=generator)
+
+        def loss_of(r, network=model):
+            return F.mse_loss(network(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2])
+
+        model.late_s = 0.5 if iteration == late and rank == 1 else 0.0
+        loss = loss_of(rank)
+        if iteration == late:  # from this step's updates on, which the next forward pass runs
+            policy = model._commsched_reducer.policy
+            update = policy.update
+            policy.update = lambda bucket, *args: (updated.append(bucket), update(bucket, *args))[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        one_process_step(reference_optimizer, functools.partial(loss_of, network=reference), world_size)
+    whole = commsched.status(model).sharding.whole_buckets
+    assert len(whole) == 1 and len(updated) >= 3, (whole, updated)
+    if rank != 1:
+        assert updated.index(whole[0]) > 0, f"the whole bucket was updated first: {updated}"
+    assert_same_parameters(model, reference)
+    commsched.release(model)
+
+
 def case_with_first_bucket_sharded(case) -> None:
     """``case()`` with every bucket sharded, the first one the forward pass needs included."""
     with mock.patch.object(commsched.layout.shards, "WHOLE_FIRST_BUCKET_BYTES", 0):
@@ -436,6 +503,8 @@ def sharded_grid(rank: int, world_size: int) -> None:
             case_with_first_bucket_sharded, functools.partial(
                 case_matches_single_process, rank, world_size, optimizer_name, STRATEGIES[GRID[world_size][-1]], True))
     cases["first_bucket_whole_when_small"] = functools.partial(case_first_bucket_whole_when_small, rank, world_size)
+    cases["next_buckets_updated_while_the_whole_one_is_reduced"] = functools.partial(
+        case_next_buckets_updated_while_the_whole_one_is_reduced, rank, world_size)
     cases["single_process/sgd_nesterov/set_to_none=False"] = functools.partial(
         case_matches_single_process, rank, world_size, "sgd_nesterov", STRATEGIES["small_buckets"], False)
     for optimizer_name in ("sgd_momentum", "adamw"):
