@@ -133,7 +133,7 @@ class ShardedUpdate:
         self.update_order: tuple[int, ...] | None = None
         """Buckets in the order their updates run on every rank (forward order)."""
         self.local_updates: frozenset[int] = frozenset()
-        """The bucket every rank updates whole, if any: it gathers nothing."""
+        """Buckets whose update gathers nothing: the one every rank updates whole, or all in a world of one."""
 
     # ------------------------------------------------------------- layout
     def attach(self, layout: GradLayout) -> None:
