@@ -289,10 +289,9 @@ class BackwardPass:
         scatter), the first gate waited 15 ms for that bucket's all-reduce, a latency-bound 1 MiB
         that leaves the link half idle, while the next bucket's reduction had long been complete;
         its all-gather began only when the gate opened, and the forward pass then waited for it.
-        Started during that wait, it shares the link with that all-reduce (which took 35-45 ms
-        instead of 15), and no gate waits for a gather: iterations 3% faster (docs/benchmarks.md,
-        "Updates ahead of the bucket kept whole"). Where that all-reduce fills the link anyway
-        (0.5 Gbit/s) it changes nothing measurable.
+        Started during that wait, it shares the link with that all-reduce (which took 34-48 ms
+        instead of 15), and no gate waits for a gather: at 8 hosts, iterations 1-5% faster at
+        1 and 0.5 Gbit/s (docs/benchmarks.md, "Updates ahead of the bucket kept whole").
 
         Only the all-gathers' start times change, never their order: they are still issued in
         `update_order` on every rank, skipping only buckets that start nothing, and a gate may
@@ -304,7 +303,7 @@ class BackwardPass:
         runs the all-gathers in stream order anyway)."""
         if self._layout.buckets[local].flat.device.type != "cpu" or not self._handles[local]:
             return
-        if not self._flags_settled and (self._unowned_slots or self._finite is not None):
+        if self._every_update_needs_flags():
             return
         order, local_updates = self._policy.update_order or (), self._policy.local_updates
         after = order[self._update_position[local] + 1:]
@@ -345,9 +344,7 @@ class BackwardPass:
     def _complete_bucket(self, bucket: int) -> None:
         if not self._reduced[bucket]:
             self._wait_reduced(bucket)
-        if not self._flags_settled and (
-            bucket == self._layout.flags_bucket or self._unowned_slots or self._finite is not None
-        ):
+        if (bucket == self._layout.flags_bucket and not self._flags_settled) or self._every_update_needs_flags():
             self._settle_flags()
         if self.hyperparameters is not None and not self._updated[bucket]:
             started = time.perf_counter()
@@ -356,6 +353,11 @@ class BackwardPass:
             self.figures.update_s += finished - started
             self._events.bucket_updated(bucket, started, finished)
             self._updated[bucket] = True
+
+    def _every_update_needs_flags(self) -> bool:
+        """The flags not yet read, and every update needs them: this rank left parameters without
+        gradients (some rank may have used them), or non-finite gradients skip the step."""
+        return not self._flags_settled and (bool(self._unowned_slots) or self._finite is not None)
 
     def settled(self, bucket: int) -> bool:
         """Nothing of this pass still writes or reads the bucket's gradients (a reduction or an update)."""
