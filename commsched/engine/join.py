@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from commsched.comm.agreement import broadcast_from, highest_rank_still_training
@@ -80,13 +81,19 @@ class UnevenInputs:
         """The hook ``Join`` runs; what a joined rank cannot shadow is refused here rather than as a hang."""
         if self._refusal is not None:
             raise RuntimeError(self._refusal)
-        if self._groups.buffers is self._groups.replicas and self._overlap_requested:
+        if self._overlap_requested and self._counts_share_gradients_group():
             raise RuntimeError(
                 "Join (uneven inputs) with forward overlap needs commsched's control group, which is made "
                 "only for the default process group: prepare() without process_group=, or use "
                 "Strategy(overlap_forward=False)."
             )
         return ShadowIterations(participant, self._module, self._groups, self._timeout_s)
+
+    def _counts_share_gradients_group(self) -> bool:
+        """Whether Join's counts would queue behind reductions still in flight at the next forward.
+        One rank has no side group and nothing in flight there (its updates all run at ``step()``)."""
+        replicas = self._groups.replicas
+        return self._groups.buffers is replicas and dist.get_world_size(replicas) > 1
 
 
 class ShadowIterations(JoinHook):

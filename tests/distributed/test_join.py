@@ -112,12 +112,13 @@ def uneven_inputs(rank: int, world_size: int) -> None:
             cases[f"{label} {model_kind}"] = case_same_as_ddp(rank, world_size, strategy, model_kind)
     cases["default parity, out of batches during warm-up"] = case_same_as_ddp(
         rank, world_size, commsched.Strategy(), "parity", out_during_warmup)
-    cases["throw_on_early_termination"] = case_early_termination_raises_everywhere(rank, world_size)
+    if world_size > 1:  # one rank never runs out before another
+        cases["throw_on_early_termination"] = case_early_termination_raises_everywhere(rank, world_size)
     run_subtests(cases)
 
 
 @pytest.mark.parametrize("world_size", [
-    pytest.param(world_size, marks=in_shared_ranks(uneven_inputs, world_size, timeout_s=300)) for world_size in (2, 3)])
+    pytest.param(world_size, marks=in_shared_ranks(uneven_inputs, world_size, timeout_s=300)) for world_size in (1, 2, 3)])
 def test_uneven_inputs_under_join_match_ddp(shared_ranks, world_size):
     shared_ranks.result()
 

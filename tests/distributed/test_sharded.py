@@ -590,6 +590,12 @@ def sharded_on_device(rank: int, world_size: int, device: str) -> None:
     run_subtests(cases)
 
 
+@in_shared_ranks(sharded_on_device, 1, "cpu", timeout_s=300)
+def test_sharded_state_on_one_rank(shared_ranks):
+    """One rank (where the GPU tests run NCCL): nothing to reduce, every loop still exact."""
+    shared_ranks.result()
+
+
 def sharded_with_random_delays(rank: int, world_size: int, device: str = "cpu") -> None:
     """Each rank's own random compute delays: reductions complete in another order on every rank,
     so the updates (and their all-gathers) started ahead of the gates differ too, unless they
