@@ -265,12 +265,17 @@ def broadcast_from(
                     tensor.copy_(chunk.view_as(tensor))
 
 
-def highest_rank_still_training(training: bool, group: dist.ProcessGroup, timeout_s: float) -> int:
-    """The source of buffers under ``Join`` (torch DDP's choice): one all-reduce on ``group``.
+def highest_rank_still_training(
+    training: bool, group: dist.ProcessGroup, timeout_s: float, device: torch.device
+) -> int:
+    """The source of buffers under ``Join`` (torch DDP's choice): one all-reduce on ``group``, of a
+    tensor on ``device`` (one ``group`` takes: NCCL takes no CPU tensor).
 
     See [Note: uneven inputs] in `commsched.engine.join`.
     """
-    candidate = torch.tensor([dist.get_rank(group) if training else -1], dtype=torch.int64)
+    if dist.get_world_size(group) == 1:
+        return 0
+    candidate = torch.tensor([dist.get_rank(group) if training else -1], dtype=torch.int64, device=device)
     work = dist.all_reduce(candidate, dist.ReduceOp.MAX, group=group, async_op=True)
     wait_or_raise(work, timeout_s, "the choice of the rank to copy buffers or parameters from (Join)")
     return int(candidate)

@@ -66,6 +66,7 @@ class BufferBroadcast:
             return
         group, timeout_s = self._groups.buffers, self._timeout_s
         if under_join:
-            broadcast_from(buffers, highest_rank_still_training(training, group, timeout_s), group, timeout_s)
+            source = highest_rank_still_training(training, group, timeout_s, buffers[0].device)
+            broadcast_from(buffers, source, group, timeout_s)
         else:
             broadcast_from_rank0(buffers, group, timeout_s)

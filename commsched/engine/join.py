@@ -87,7 +87,7 @@ class UnevenInputs:
                 "only for the default process group: prepare() without process_group=, or use "
                 "Strategy(overlap_forward=False)."
             )
-        return ShadowIterations(participant, self._module, self._groups, self._timeout_s)
+        return ShadowIterations(participant, self._module, self._groups, self._timeout_s, self.device)
 
     def _counts_share_gradients_group(self) -> bool:
         """Whether Join's counts would queue behind reductions still in flight at the next forward.
@@ -100,8 +100,10 @@ class ShadowIterations(JoinHook):
     """What a prepared model does under ``Join`` once its rank has run out of batches."""
 
     def __init__(self, participant: JoinParticipant, module: torch.nn.Module, groups: ProcessGroups,
-                 timeout_s: float):
+                 timeout_s: float, device: torch.device):
+        """``device``: where the choice of the rank to copy from is made (`UnevenInputs.device`)."""
         self._participant, self._module, self._groups, self._timeout_s = participant, module, groups, timeout_s
+        self._device = device
 
     def main_hook(self) -> None:
         self._participant.shadow_iteration()
@@ -109,7 +111,7 @@ class ShadowIterations(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         self._participant.synchronize()
         group, timeout_s = self._groups.buffers, self._timeout_s
-        source = highest_rank_still_training(is_last_joiner, group, timeout_s)
+        source = highest_rank_still_training(is_last_joiner, group, timeout_s, self._device)
         module = self._module
         broadcast_from([*module.parameters(), *module.buffers()], source, group, timeout_s)
 
