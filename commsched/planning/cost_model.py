@@ -232,7 +232,7 @@ def fewer_collectives_first(layout: LayoutSetting) -> tuple:
 
 
 def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient_bytes: int = 0,
-               first_bucket_mb: float | None = None) -> list[Setting]:
+               first_bucket_mb: float | None = None, gathers: bool = False) -> list[Setting]:
     """The configured setting, a coarser one, a finer one with a credit of one partition, whole buckets (each
     once); and, where the gradients (``gradient_bytes``) fill more than one bucket of each size, the bucket
     sizes torch DDP users sweep, sent whole, the first as large as the others (as
@@ -242,7 +242,9 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
     what DDP users tune for it; where the links are slow, smaller ones overlap more of the backward pass. Each
     smaller size comes twice where the configured first bucket is smaller still: the first as large as the
     others, and the first as configured (the input side's bucket, reduced last and needed first, small).
-    No candidate is below the sizes a `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`)."""
+    No candidate is below the sizes a `Strategy` accepts (`MIN_PARTITION_MB`, `MIN_BUCKET_MB`). With sharded
+    optimizer state (``gathers``) none is above ``bucket_cap_mb``: [Note: a bucket's size bounds sharded
+    state's memory] in `commsched.update.sharded`."""
     found = [configured]
     if configured.partition_mb is not None:
         credit = None if configured.credit_mb is None else configured.credit_mb * COARSER_FACTOR
@@ -260,7 +262,7 @@ def candidates(configured: Setting, bucket_cap_mb: float | None = None, gradient
                     found.append(Setting(None, None, size, first_bucket_mb))
         if first_bucket_mb is not None and first_bucket_mb < bucket_cap_mb and gradient_bytes > first_bucket_mb * MIB:
             found.append(Setting(None, None, bucket_cap_mb))
-        if gradient_bytes > bucket_cap_mb * MIB:
+        if gradient_bytes > bucket_cap_mb * MIB and not gathers:
             found.append(Setting(None, None, bucket_cap_mb * COARSER_FACTOR))
     unique: list[Setting] = []
     for setting in found:
@@ -366,7 +368,8 @@ def choose(
     gradient_bytes = sum(p.numel() * p.element_size() for p in params)
     predictions = tuple(
         predict(setting, params, forward_order, layout, priority, timeline)
-        for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes, layout.first_bucket_mb)
+        for setting in candidates(configured, layout.bucket_cap_mb, gradient_bytes, layout.first_bucket_mb,
+                                  layout.gathers)
     )
     ranked = sorted(predictions, key=lambda p: (round(p.cost_s, 6), p.collectives))
     others = [p.setting for p in ranked[1:] if p.setting.partition_mb is not None]

@@ -45,6 +45,9 @@ class SearchSpace:
         partitions = _powers(total_mb / 512, total_mb / 2, MIN_PARTITION_MB)
         caps = _powers(total_mb / 64, total_mb, MIN_BUCKET_MB)
         firsts = _powers(total_mb / 256, total_mb / 4, MIN_BUCKET_MB)
+        if start.gathers:  # [Note: a bucket's size bounds sharded state's memory] in commsched.update.sharded
+            caps = {cap for cap in caps if cap <= start.bucket_cap_mb}
+            firsts = {first for first in firsts if first <= start.bucket_cap_mb}
         partition_values: list[float | None] = sorted(set(partitions) | _present(start.partition_mb)) + [None]
         ratio = _credit_ratio(start)
         ratios: list[float | None] = sorted({r for r in CREDIT_RATIOS if r is not None} | _present(ratio)) + [None]

@@ -45,6 +45,17 @@ every rank keeps its whole state and updates all of it, as the unsharded
 backend does (same averaged gradients, same kernel: the same values on every
 rank), and no all-gather is needed. It costs at most that bucket's state
 again per rank, within the "1/N plus one bucket" that sharding promises.
+
+[Note: a bucket's size bounds sharded state's memory] Beyond the shard, what
+sharded state holds at once grows with its largest bucket: gloo's all-gather
+stages a buffer of the gathered bucket's size, and moving to another layout
+gathers each old bucket's whole state, one kind of tensor at a time ([Note:
+resharding one bucket at a time]). So the configured ``bucket_cap_mb`` bounds
+the buckets of every layout a sharded run measures or tunes: the cost model's
+candidates never include larger whole buckets (for the unsharded backend it
+weighs 4x the cap too), nor does the auto-tuner's space. With Adam on a 25M
+parameter model at 2 ranks, one such candidate (a single 100 MiB bucket) put
+the peak 190 MiB above the unsharded backend's, against 98 MiB of state saved.
 """
 
 from __future__ import annotations
@@ -402,27 +413,30 @@ class ShardedUpdate:
 
     def _reshard_state(self, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
         """This rank's fragments of the state in a new layout (collective). [Note: resharding one
-        bucket at a time] Each old bucket's whole state is gathered, cut to the fragments this
-        rank owns in the new layout and let go before the next, and the old fragments go with
-        it: at most one bucket's whole state exists at a time. Gathering every bucket first would
-        hold the whole model's state on every rank at the end of warm-up (and at each of the
-        auto-tuner's new layouts), a peak above the unsharded backend's."""
+        bucket at a time] Each old bucket's whole state is gathered, one kind of state tensor at a
+        time (Adam's ``exp_avg``, then ``exp_avg_sq``), cut to the fragments this rank owns in the
+        new layout and let go before the next, and the old fragments go with the bucket's last
+        kind: at most one bucket's whole tensor of one kind exists at a time. Gathering every
+        bucket first would hold the whole model's state on every rank at the end of warm-up (and
+        at each switch to another layout), a peak above the unsharded backend's."""
         self._wait_all_updated()
-        state: FragmentStates = {}
+        state: FragmentStates = defaultdict(dict)
         for bucket in range(len(self._shards)):
-            state.update(_fragments_of(self._gather_bucket(bucket), layout, shards))
+            for key in self._state_keys(self._bucket_params[bucket]):
+                for fragment, sliced in _fragments_of(self._gather_bucket(bucket, (key,)), layout, shards).items():
+                    state[fragment].update(sliced)
             for _, piece in self._fragments[bucket]:
                 self._state.pop(piece, None)
-        return state
+        return dict(state)
 
     def _wait_all_updated(self) -> None:
         for bucket in list(self._gathers):
             self.wait_updated(bucket)
 
-    def _gather_bucket(self, bucket: int) -> FullState:
+    def _gather_bucket(self, bucket: int, only: Sequence[str] | None = None) -> FullState:
         """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
-        per kind of state tensor, and one all-reduce of which parameters have state and their
-        step. The tensors are views into one buffer per kind."""
+        per kind of state tensor (of those named in ``only``, where given), and one all-reduce of
+        which parameters have state and their step. The tensors are views into one buffer per kind."""
         group = self._group_after_gathers()
         shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
                                           self._fragments[bucket])
@@ -440,7 +454,7 @@ class ShardedUpdate:
                        "the all-reduce of which parameters have optimizer state")
         has_state = presence[:len(params)].tolist()
         steps = presence[len(params):].tolist()
-        keys = self._state_keys(params)
+        keys = [key for key in self._state_keys(params) if only is None or key in only]
         offsets = _offsets(params)
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
@@ -458,7 +472,7 @@ class ShardedUpdate:
             if not has_state[position] or id(param) not in self._group_of:
                 continue
             group_keys = self._keys_of_group(self._group_of[id(param)])
-            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys}
+            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys if key in tensors}
             if self._kind != "sgd":
                 state["step"] = torch.tensor(steps[position], dtype=torch.float32)
             gathered[param] = state

@@ -256,15 +256,21 @@ def test_a_failure_stops_tuning_and_keeps_the_setting():
     bucket_cap_mb=st.floats(1 / MIB, 4096.0),
     first_bucket_mb=st.floats(1 / MIB, 64.0),
     overlap=st.booleans(),
+    gathers=st.booleans(),
 )
 def test_every_setting_of_the_space_is_a_valid_strategy_and_the_start_is_in_it(
-    gradient_bytes, partition_mb, credit_factor, bucket_cap_mb, first_bucket_mb, overlap
+    gradient_bytes, partition_mb, credit_factor, bucket_cap_mb, first_bucket_mb, overlap, gathers
 ):
+    """With sharded state (``gathers``) no bucket is above the configured cap: [Note: a bucket's size
+    bounds sharded state's memory]. The space's settings leave sharding to the backend."""
     unit = bucket_cap_mb if partition_mb is None else partition_mb
     credit = None if credit_factor is None else max(256 / MIB, unit * credit_factor)
-    start = LayoutSetting(partition_mb, credit, bucket_cap_mb, first_bucket_mb, overlap)
+    start = LayoutSetting(partition_mb, credit, bucket_cap_mb, first_bucket_mb, overlap, gathers)
     space = SearchSpace.around(gradient_bytes, start, overlap_allowed=overlap)
-    assert space.setting(space.indices(start)) == start
+    if gathers:
+        assert max(space.bucket_cap_mb) == bucket_cap_mb
+        assert max(space.first_bucket_mb) <= max(bucket_cap_mb, first_bucket_mb)
+    assert space.setting(space.indices(start)) == dataclasses.replace(start, gathers=False)
     strategy = Strategy(autotune=True)
     grid = list(space.grid())
     assert grid, "an empty search space"

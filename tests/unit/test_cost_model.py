@@ -64,6 +64,9 @@ def test_bucket_sizes_ddp_users_sweep_are_candidates_where_the_gradients_fill_mo
     assert candidates(WHOLE, 25.0, 26 * MIB, 25.0) == [WHOLE, five, one, hundred]
     # a fifth and a twenty-fifth of what is configured
     assert candidates(WHOLE, 100.0, 26 * MIB) == [WHOLE, Setting(None, None, 20.0), Setting(None, None, 4.0)]
+    # with sharded state, none above the configured size ([Note: a bucket's size bounds sharded state's memory])
+    assert candidates(WHOLE, 25.0, 26 * MIB, 1.0, gathers=True) == [
+        WHOLE, five, Setting(None, None, 5.0, 1.0), one, Setting(None, None, 25.0)]
 
 
 def test_a_candidate_describes_and_lays_out_its_buckets():
