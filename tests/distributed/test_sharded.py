@@ -744,15 +744,21 @@ def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = R
     return {"rise_mib": rise, "layouts": layouts, "whole_state_mib": whole_state_mib}
 
 
+def resharding_results(shared_ranks) -> list[dict]:
+    """Every rank's `resharding_rise`, or a skip where the peak RSS cannot be measured so."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
+    results = shared_ranks.result()
+    if any(result is None for result in results):
+        pytest.skip("needs glibc's mallopt to fix the mmap threshold")
+    return results
+
+
 @in_shared_ranks(resharding_rise, 2, timeout_s=200)
 def test_a_new_layout_never_gathers_the_whole_state(shared_ranks):
     """Resharding holds at most one old bucket's whole state at a time, not the model's (it held
     all of it, and more, when every bucket was gathered before any was cut)."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
-    for result in shared_ranks.result():
-        if result is None:
-            pytest.skip("needs glibc's mallopt to fix the mmap threshold")
+    for result in resharding_results(shared_ranks):
         before, after = result["layouts"]
         assert before != after, f"the layout did not change, so nothing was resharded: {before}"
         assert result["rise_mib"] < result["whole_state_mib"] / 2, result
@@ -764,11 +770,7 @@ def test_a_new_layout_gathers_one_kind_of_state_at_a_time(shared_ranks):
     parameters (held in the old flat buffer while they move into the new ones), one kind of its
     state whole and this rank's new fragments: 2.5 times the parameters' bytes. Gathering both
     of Adam's kinds at once rose by 3 times ([Note: resharding one bucket at a time])."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
-    for result in shared_ranks.result():
-        if result is None:
-            pytest.skip("needs glibc's mallopt to fix the mmap threshold")
+    for result in resharding_results(shared_ranks):
         before, after = result["layouts"]
         assert len(before) == 1 and len(after) > 1, result["layouts"]
         parameters_mib = result["whole_state_mib"] / 2
