@@ -441,7 +441,7 @@ class Strategy:
         """Whether a run measures the cost model's choice against the configured buckets sent whole
         after warm-up (see ``adaptive``): not with the auto-tuner, which measures anyway. With sharded
         optimizer state too: each change of buckets reshards the state one bucket at a time (see
-        [Note: resharding one bucket at a time] in `commsched.update.sharded`), and the cost model,
+        [Note: resharding one bucket at a time] in `commsched.update.resharding`), and the cost model,
         which knows nothing of the all-gathers, needs the check more there."""
         return self.cost_model_picks_partitioning and not self.autotune
 

@@ -47,15 +47,17 @@ rank), and no all-gather is needed. It costs at most that bucket's state
 again per rank, within the "1/N plus one bucket" that sharding promises.
 
 [Note: a bucket's size bounds sharded state's memory] Beyond the shard, what
-sharded state holds at once grows with its largest bucket: gloo's all-gather
-stages a buffer of the gathered bucket's size, and moving to another layout
-gathers each old bucket's whole state, one kind of tensor at a time ([Note:
-resharding one bucket at a time]). So the configured ``bucket_cap_mb`` bounds
-the buckets of every layout a sharded run measures or tunes: the cost model's
-candidates never include larger whole buckets (for the unsharded backend it
-weighs 4x the cap too), nor does the auto-tuner's space. With Adam on a 25M
-parameter model at 2 ranks, one such candidate (a single 100 MiB bucket) put
-the peak 190 MiB above the unsharded backend's, against 98 MiB of state saved.
+sharded state holds at once grows with its largest bucket: gloo's all-gather of
+the updated parameters stages a buffer of the gathered bucket's size at every
+step, and at a new layout a bucket's old flat buffer lives until the last of
+its parameters has moved into the new ones (its state moves a piece at a time:
+[Note: resharding one bucket at a time] in `commsched.update.resharding`). So
+the configured ``bucket_cap_mb`` bounds the buckets of every layout a sharded
+run measures or tunes: the cost model's candidates never include larger whole
+buckets (for the unsharded backend it weighs 4x the cap too), nor does the
+auto-tuner's space. With Adam on a 25M parameter model at 2 ranks, one such
+candidate (a single 100 MiB bucket), then resharded whole, put the peak 190 MiB
+above the unsharded backend's, against 98 MiB of state saved.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ import torch.distributed as dist
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import view_like
 from commsched.layout.shards import BucketShard, Fragment, ShardStatus, first_kept_whole, shard_bucket
-from commsched.update import sharded_checkpoint
+from commsched.update import resharding, sharded_checkpoint
 from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.gather_queue import QueuedGather, gather_queue_for, gathers_one_at_a_time
@@ -208,7 +210,7 @@ class ShardedUpdate:
     def detach(self) -> None:
         """The buckets are about to be laid out anew: let go of their gradients. The chunks stay
         until `attach` knows whether they change (only then is the state resharded: see
-        [Note: resharding one bucket at a time])."""
+        [Note: resharding one bucket at a time] in `commsched.update.resharding`)."""
         self._updater = None
 
     def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
@@ -412,49 +414,79 @@ class ShardedUpdate:
                 for bucket in range(len(self._shards)) for param, state in self._gather_bucket(bucket).items()}
 
     def _reshard_state(self, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
-        """This rank's fragments of the state in a new layout (collective). [Note: resharding one
-        bucket at a time] Each old bucket's whole state is gathered, one kind of state tensor at a
-        time (Adam's ``exp_avg``, then ``exp_avg_sq``), cut to the fragments this rank owns in the
-        new layout and let go before the next, and the old fragments go with the bucket's last
-        kind: at most one bucket's whole tensor of one kind exists at a time. Gathering every
-        bucket first would hold the whole model's state on every rank at the end of warm-up (and
-        at each switch to another layout), a peak above the unsharded backend's."""
+        """This rank's fragments of the state in a new layout (collective): each old bucket's state
+        moved a piece at a time, its old fragments let go before the next ([Note: resharding one
+        bucket at a time] in `commsched.update.resharding`)."""
         self._wait_all_updated()
-        state: FragmentStates = defaultdict(dict)
+        targets = resharding.new_fragments_by_param([bucket.params for bucket in layout.buckets], shards)
+        state: FragmentStates = {}
         for bucket in range(len(self._shards)):
-            for key in self._state_keys(self._bucket_params[bucket]):
-                for fragment, sliced in _fragments_of(self._gather_bucket(bucket, (key,)), layout, shards).items():
-                    state[fragment].update(sliced)
+            self._move_bucket_state(bucket, targets, state)
             for _, piece in self._fragments[bucket]:
                 self._state.pop(piece, None)
-        return dict(state)
+        return state
+
+    def _move_bucket_state(self, bucket: int, targets: resharding.NewFragments, state: FragmentStates) -> None:
+        """Old ``bucket``'s state into the new fragments (``targets``) that hold it, in ``state``."""
+        shard, flat, params = self._shards[bucket], self._flats[bucket], self._bucket_params[bucket]
+        has_state, steps = self._presence(bucket)
+        for position, param in enumerate(params):
+            if not has_state[position] or id(param) not in self._group_of:
+                continue
+            keys = self._keys_of_group(self._group_of[id(param)])
+            for fragment_key, fragment in targets.get(id(param), ()):
+                entry = state.setdefault(fragment_key, {})
+                entry.update({key: torch.zeros(fragment.numel, dtype=param.dtype, device=flat.device) for key in keys})
+                if self._kind != "sgd":
+                    entry["step"] = torch.tensor(steps[position], dtype=torch.float32)
+        group, offsets = self._group_after_gathers(), _offsets(params)
+        stretch = resharding.piece_elements(flat.element_size(), shard.world_size)
+        for key in self._state_keys(params):
+            held = [(fragment, self._state.get(piece, {}).get(key)) for fragment, piece in self._fragments[bucket]]
+            for begin in range(0, shard.chunk, stretch):
+                length = min(stretch, shard.chunk - begin)
+                mine = torch.zeros(length, dtype=flat.dtype, device=flat.device)
+                resharding.own_stretch(mine, shard.start + begin, held)
+                gathered = mine
+                if shard.world_size > 1:
+                    gathered = torch.empty(length * shard.world_size, dtype=flat.dtype, device=flat.device)
+                    self._wait(all_gather_single(gathered, mine, group=group, async_op=True),
+                               f"the all-gather of optimizer state {key!r}")
+                for rank in range(shard.world_size):
+                    resharding.take_stretch(gathered[rank * length:(rank + 1) * length],
+                                            rank * shard.chunk + begin, params, offsets, targets, key, state)
 
     def _wait_all_updated(self) -> None:
         for bucket in list(self._gathers):
             self.wait_updated(bucket)
 
-    def _gather_bucket(self, bucket: int, only: Sequence[str] | None = None) -> FullState:
-        """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
-        per kind of state tensor (of those named in ``only``, where given), and one all-reduce of
-        which parameters have state and their step. The tensors are views into one buffer per kind."""
-        group = self._group_after_gathers()
-        shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
-                                          self._fragments[bucket])
-        gathered: FullState = {}
-        device = flat.device
-        presence = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
-        for fragment, piece in fragments:
+    def _presence(self, bucket: int) -> tuple[list[float], list[float]]:
+        """Per parameter of ``bucket``, whether some rank holds state for it, and its step
+        (collective: one all-reduce)."""
+        shard, params = self._shards[bucket], self._bucket_params[bucket]
+        presence = torch.zeros(2 * len(params), dtype=torch.float64, device=self._flats[bucket].device)
+        for fragment, piece in self._fragments[bucket]:
             state = self._state.get(piece)
             if state:
                 presence[fragment.position] = 1
                 step = state.get("step")
                 presence[len(params) + fragment.position] = float(step) if step is not None else 0.0
         if shard.world_size > 1:
-            self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=group, async_op=True),
-                       "the all-reduce of which parameters have optimizer state")
-        has_state = presence[:len(params)].tolist()
-        steps = presence[len(params):].tolist()
-        keys = [key for key in self._state_keys(params) if only is None or key in only]
+            self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=self._group_after_gathers(),
+                                       async_op=True), "the all-reduce of which parameters have optimizer state")
+        return presence[:len(params)].tolist(), presence[len(params):].tolist()
+
+    def _gather_bucket(self, bucket: int) -> FullState:
+        """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
+        per kind of state tensor, and one all-reduce of which parameters have state and their
+        step. The tensors are views into one buffer per kind."""
+        group = self._group_after_gathers()
+        shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
+                                          self._fragments[bucket])
+        gathered: FullState = {}
+        device = flat.device
+        has_state, steps = self._presence(bucket)
+        keys = self._state_keys(params)
         offsets = _offsets(params)
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
@@ -472,7 +504,7 @@ class ShardedUpdate:
             if not has_state[position] or id(param) not in self._group_of:
                 continue
             group_keys = self._keys_of_group(self._group_of[id(param)])
-            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys if key in tensors}
+            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys}
             if self._kind != "sgd":
                 state["step"] = torch.tensor(steps[position], dtype=torch.float32)
             gathered[param] = state
