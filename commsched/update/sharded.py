@@ -427,22 +427,29 @@ class ShardedUpdate:
         return state
 
     def _move_bucket_state(self, bucket: int, targets: resharding.NewFragments, state: FragmentStates) -> None:
-        """Old ``bucket``'s state into the new fragments (``targets``) that hold it, in ``state``."""
+        """Old ``bucket``'s state into the new fragments (``targets``) that hold it, in ``state``, one
+        kind at a time: each kind's new tensors are made just before it moves, its old ones let go
+        right after, so the bucket's state exists about once, not twice."""
         shard, flat, params = self._shards[bucket], self._flats[bucket], self._bucket_params[bucket]
         has_state, steps = self._presence(bucket)
+        receivers = []
         for position, param in enumerate(params):
             if not has_state[position] or id(param) not in self._group_of:
                 continue
             keys = self._keys_of_group(self._group_of[id(param)])
             for fragment_key, fragment in targets.get(id(param), ()):
                 entry = state.setdefault(fragment_key, {})
-                entry.update({key: torch.zeros(fragment.numel, dtype=param.dtype, device=flat.device) for key in keys})
                 if self._kind != "sgd":
                     entry["step"] = torch.tensor(steps[position], dtype=torch.float32)
+                receivers.append((entry, fragment.numel, keys, param.dtype))
         group, offsets = self._group_after_gathers(), _offsets(params)
         stretch = resharding.piece_elements(flat.element_size(), shard.world_size)
         for key in self._state_keys(params):
+            for entry, numel, keys, dtype in receivers:
+                if key in keys:
+                    entry[key] = torch.zeros(numel, dtype=dtype, device=flat.device)
             held = [(fragment, self._state.get(piece, {}).get(key)) for fragment, piece in self._fragments[bucket]]
+            mine = gathered = None
             for begin in range(0, shard.chunk, stretch):
                 length = min(stretch, shard.chunk - begin)
                 mine = torch.zeros(length, dtype=flat.dtype, device=flat.device)
@@ -455,6 +462,9 @@ class ShardedUpdate:
                 for rank in range(shard.world_size):
                     resharding.take_stretch(gathered[rank * length:(rank + 1) * length],
                                             rank * shard.chunk + begin, params, offsets, targets, key, state)
+            del held, mine, gathered
+            for _, piece in self._fragments[bucket]:
+                self._state.get(piece, {}).pop(key, None)
 
     def _wait_all_updated(self) -> None:
         for bucket in list(self._gathers):

@@ -766,13 +766,14 @@ def test_a_new_layout_never_gathers_the_whole_state(shared_ranks):
 
 @in_shared_ranks(resharding_rise, 2, (64.0, 2.5), timeout_s=200)
 def test_a_new_layout_moves_a_large_bucket_state_a_piece_at_a_time(shared_ranks):
-    """From one bucket of every parameter (32 MiB) to small ones, the peak rises by about that
-    bucket's parameters (held in the old flat buffer while they move into the new ones) and a
-    piece: 1.3 times the parameters' bytes. Gathering the bucket's state whole, both of Adam's
-    kinds at once, rose by 3 times; one kind at a time, by 2.5 ([Note: resharding one bucket
-    at a time] in `commsched.update.resharding`)."""
+    """From one bucket of every parameter (32 MiB) to small ones, the peak rises by that bucket's
+    parameters, held in the old flat buffer while they move into the new ones; moving the state
+    (a kind and a piece at a time) rises by less. Gathering the bucket's state whole, both of
+    Adam's kinds at once, rose by 3 times the parameters' bytes; one kind at a time, by 2.5; a
+    piece at a time, but with both kinds' new fragments made first, by 1.3 ([Note: resharding
+    one bucket at a time] in `commsched.update.resharding`)."""
     for result in resharding_results(shared_ranks):
         before, after = result["layouts"]
         assert len(before) == 1 and len(after) > 1, result["layouts"]
         parameters_mib = result["whole_state_mib"] / 2
-        assert result["rise_mib"] < 1.75 * parameters_mib, result
+        assert result["rise_mib"] < 1.2 * parameters_mib, result
