@@ -7,12 +7,12 @@ tensor after the other (Adam's ``exp_avg``, then ``exp_avg_sq``), in pieces: an
 all-gather of at most `RESHARD_PIECE_BYTES` carries the same stretch of every
 rank's chunk, and each rank copies from it what its new fragments hold. A kind's
 new tensors are made just before it moves and its old ones let go right after,
-so the bucket's state exists about once, not twice. What resharding holds
-beyond the state itself is then one piece and one kind of one bucket's share,
-whatever the bucket's size. Gathering every bucket's whole state first held the whole model's state
-on every rank (a peak above the unsharded backend's); gathering each bucket
-whole still held a bucket's state of every kind, and gloo stages a buffer the
-gathered size.
+so the bucket's state exists about once, not twice. What resharding holds beyond
+the state itself is then one piece and one kind of one bucket's share, whatever
+the bucket's size. Gathering every bucket's whole state first held the whole
+model's state on every rank (a peak above the unsharded backend's); gathering
+each bucket whole still held a bucket's state of every kind, and gloo stages a
+buffer the gathered size.
 """
 
 from __future__ import annotations
