@@ -17,7 +17,7 @@ buffer the gathered size.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,37 @@ def piece_elements(element_size: int, world_size: int) -> int:
     return max(1, RESHARD_PIECE_BYTES // (element_size * world_size))
 
 
-def own_stretch(out: torch.Tensor, begin: int, held: Sequence[tuple[Fragment, torch.Tensor | None]]) -> None:
+def back_to_back_offsets(params: Sequence[torch.Tensor]) -> list[int]:
+    """Where each of ``params`` starts in a flat buffer that holds them back to back."""
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += param.numel()
+    return offsets
+
+
+def move_kind(key: str, shard: BucketShard, held: Sequence[tuple[Fragment, torch.Tensor | None]],
+              like: torch.Tensor, params: Sequence[torch.Tensor], targets: NewFragments,
+              into: Mapping[tuple[int, int], dict[str, Any]], stretch: int,
+              gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Move one kind of an old bucket's state (``key``) into the new fragments (``targets``; ``into``:
+    their state, with a zeroed tensor of ``key`` where the parameter has that state), ``stretch``
+    elements of every rank's chunk at a time. ``held``: this rank's old fragments (``shard``'s), each
+    with its tensor of that kind or None; ``like``: the bucket's flat buffer (dtype, device);
+    ``params``: the old bucket's, back to back; ``gather``: every rank's stretch, in rank order, from
+    this rank's (the collective; not called where the bucket is one rank's)."""
+    offsets = back_to_back_offsets(params)
+    for begin in range(0, shard.chunk, stretch):
+        length = min(stretch, shard.chunk - begin)
+        mine = torch.zeros(length, dtype=like.dtype, device=like.device)
+        _own_stretch(mine, shard.start + begin, held)
+        gathered = gather(mine) if shard.world_size > 1 else mine
+        for rank in range(shard.world_size):
+            _take_stretch(gathered[rank * length:(rank + 1) * length], rank * shard.chunk + begin, params, offsets,
+                          targets, key, into)
+
+
+def _own_stretch(out: torch.Tensor, begin: int, held: Sequence[tuple[Fragment, torch.Tensor | None]]) -> None:
     """Fill ``out`` with the bucket's elements ``[begin, begin + len(out))`` of one kind of state,
     from this rank's old fragments (``held``: each with its tensor of that kind, or None)."""
     end = begin + out.numel()
@@ -60,8 +90,8 @@ def own_stretch(out: torch.Tensor, begin: int, held: Sequence[tuple[Fragment, to
             out[low - begin:high - begin].copy_(value[low - fragment.bucket_offset:high - fragment.bucket_offset])
 
 
-def take_stretch(values: torch.Tensor, begin: int, params: Sequence[torch.Tensor], offsets: Sequence[int],
-                 targets: NewFragments, key: str, into: Mapping[tuple[int, int], dict[str, Any]]) -> None:
+def _take_stretch(values: torch.Tensor, begin: int, params: Sequence[torch.Tensor], offsets: Sequence[int],
+                  targets: NewFragments, key: str, into: Mapping[tuple[int, int], dict[str, Any]]) -> None:
     """Copy the old bucket's elements ``[begin, begin + len(values))`` of state ``key`` into the new
     fragments that hold them (``into``: their state, with a zeroed tensor of ``key`` where the
     parameter has that state; ``params`` and ``offsets``: the old bucket's, back to back)."""

@@ -442,27 +442,22 @@ class ShardedUpdate:
                 if self._kind != "sgd":
                     entry["step"] = torch.tensor(steps[position], dtype=torch.float32)
                 receivers.append((entry, fragment.numel, keys, param.dtype))
-        group, offsets = self._group_after_gathers(), _offsets(params)
+        group = self._group_after_gathers()
         stretch = resharding.piece_elements(flat.element_size(), shard.world_size)
         for key in self._state_keys(params):
             for entry, numel, keys, dtype in receivers:
                 if key in keys:
                     entry[key] = torch.zeros(numel, dtype=dtype, device=flat.device)
-            held = [(fragment, self._state.get(piece, {}).get(key)) for fragment, piece in self._fragments[bucket]]
-            mine = gathered = None
-            for begin in range(0, shard.chunk, stretch):
-                length = min(stretch, shard.chunk - begin)
-                mine = torch.zeros(length, dtype=flat.dtype, device=flat.device)
-                resharding.own_stretch(mine, shard.start + begin, held)
-                gathered = mine
-                if shard.world_size > 1:
-                    gathered = torch.empty(length * shard.world_size, dtype=flat.dtype, device=flat.device)
-                    self._wait(all_gather_single(gathered, mine, group=group, async_op=True),
-                               f"the all-gather of optimizer state {key!r}")
-                for rank in range(shard.world_size):
-                    resharding.take_stretch(gathered[rank * length:(rank + 1) * length],
-                                            rank * shard.chunk + begin, params, offsets, targets, key, state)
-            del held, mine, gathered
+
+            def gather(mine: torch.Tensor, key: str = key) -> torch.Tensor:
+                gathered = torch.empty(mine.numel() * shard.world_size, dtype=mine.dtype, device=mine.device)
+                self._wait(all_gather_single(gathered, mine, group=group, async_op=True),
+                           f"the all-gather of optimizer state {key!r}")
+                return gathered
+
+            resharding.move_kind(key, shard, [(fragment, self._state.get(piece, {}).get(key))
+                                              for fragment, piece in self._fragments[bucket]],
+                                 flat, params, targets, state, stretch, gather)
             for _, piece in self._fragments[bucket]:
                 self._state.get(piece, {}).pop(key, None)
 
@@ -497,7 +492,7 @@ class ShardedUpdate:
         device = flat.device
         has_state, steps = self._presence(bucket)
         keys = self._state_keys(params)
-        offsets = _offsets(params)
+        offsets = resharding.back_to_back_offsets(params)
         tensors: dict[str, torch.Tensor] = {}
         for key in keys:
             full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=device)
@@ -544,14 +539,6 @@ def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
     if not order:
         return None
     return order[0] if first_kept_whole([bucket.nbytes for bucket in layout.buckets], order[0]) else None
-
-
-def _offsets(params: Sequence[torch.Tensor]) -> list[int]:
-    offsets, total = [], 0
-    for param in params:
-        offsets.append(total)
-        total += param.numel()
-    return offsets
 
 
 def _fragments_of(held: FullState, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
