@@ -83,7 +83,10 @@ def measure_link(
     """
     large = max(64, min(nbytes, CALIBRATION_BYTES)) // 4 * 4
     sizes = (large // 8 // 4 * 4, large)
-    buffers = [torch.zeros(size // 4, device=device) for size in sizes]
+    # The smaller all-reduce runs on the start of the larger one's buffer: one buffer, not two, is
+    # what the calibration adds to the process for a moment.
+    large_buffer = torch.zeros(large // 4, device=device)
+    buffers = [large_buffer[:size // 4] for size in sizes]
     what = "the link measurement before choosing the partitioning"
     for buffer in buffers:
         _timed_all_reduce(buffer, group, timeout_s, what)
