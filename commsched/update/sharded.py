@@ -58,6 +58,24 @@ buckets (for the unsharded backend it weighs 4x the cap too), nor does the
 auto-tuner's space. With Adam on a 25M parameter model at 2 ranks, one such
 candidate (a single 100 MiB bucket), then resharded whole, put the peak 190 MiB
 above the unsharded backend's, against 98 MiB of state saved.
+
+[Note: a new layout is cut after the backward pass] A new layout comes at the
+start of a backward pass (the end of warm-up, the check's and the auto-tuner's
+switch points; the first one after the first forward pass). The forward pass's
+autograd graph then still holds the parameters' old storage (the tensors it
+saved for the backward pass) and its activations are alive: new flat buffers
+made there sat beside the old ones at the iteration's peak, every parameter
+twice, with the moving state besides. So `attach` only decides the new chunks
+(`_PendingCut`); the parameters move into the new flat buffers and the state
+into the new fragments at the first update in the new layout (`_settle`), once
+that backward pass has freed its graph: each old flat buffer is let go as its
+last parameter moves, and what exists twice is about one bucket. The move is
+collective (the state's all-gathers), so each rank makes it before the first
+collective on the all-gathers' group after `attach`, whatever that is (the first
+update's all-gather, `Join`'s record, a state dict, a checkpoint, a release):
+every rank issues the same sequence there, so every rank moves at the same place
+in it. Until then the parameters are the old flat buffers' views, with the same
+values.
 """
 
 from __future__ import annotations
@@ -65,7 +83,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -92,6 +110,27 @@ FullState = dict[torch.nn.Parameter, dict[str, Any]]
 
 FragmentStates = dict[tuple[int, int], dict[str, Any]]
 """Per (bucket, number of the fragment among this rank's in that bucket), the fragment's state."""
+
+
+class _Place(NamedTuple):
+    """Where a bucket's parameters go in its flat buffer (the gradients' bucket, without its buffer)."""
+
+    params: tuple[torch.nn.Parameter, ...]
+    offsets: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _PendingCut(NamedTuple):
+    """A new layout's chunks, decided at `ShardedUpdate.attach` and made at the first update in it
+    (see [Note: a new layout is cut after the backward pass]). It holds no gradient buffer, so the
+    reducer's old buckets can go before new ones are made."""
+
+    places: tuple[_Place, ...]
+    shards: list[BucketShard]
+    whole_bucket: int | None
+    rank: int
+    world_size: int
 
 
 def sharding_refusal(optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -141,6 +180,11 @@ class ShardedUpdate:
         self._updater: BucketUpdater | None = None
         self._gathers: dict[int, QueuedGather] = {}
         """Per bucket, its all-gather not yet awaited."""
+        self._layout: GradLayout | None = None
+        """The layout attached, until `detach`: the gradients the updates read."""
+        self._pending_cut: _PendingCut | None = None
+        """The layout in use, where its chunks are not made yet (see [Note: a new layout is cut after
+        the backward pass]); the fields above then describe the layout before it."""
         self._pending_load: str | os.PathLike | None = None
         """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
@@ -150,24 +194,51 @@ class ShardedUpdate:
 
     # ------------------------------------------------------------- layout
     def attach(self, layout: GradLayout) -> None:
-        """Cut the buckets into chunks and keep this rank's state; where the buckets hold the same
-        parameters as before (a new partitioning, credit or order), chunks and state stay as they are."""
+        """Decide the buckets' chunks; where the buckets hold the same parameters as before (a new
+        partitioning, credit or order), chunks and state stay as they are. Otherwise the parameters
+        and the state move at the first update in this layout (see [Note: a new layout is cut after
+        the backward pass])."""
+        self._settle()  # a layout never updated in: its move is made before the next one is decided
+        self._layout = layout
         order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
         whole = _whole_bucket(layout, order)
         unchanged = (bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
                      and whole == self._whole_bucket)
-        if not unchanged:
-            group = self._group()
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-            # The whole bucket is one rank's in a world of one: no padding, nothing to gather.
-            shards = [shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
-                                   *((0, 1) if index == whole else (rank, world_size)))
-                      for index, bucket in enumerate(layout.buckets)]
-            state = (self._reshard_state(layout, shards) if self._shards
-                     else _fragments_of(self._take_optimizer_state(), layout, shards))
-            self._rank, self._world_size = rank, world_size
-            self._cut(layout, shards, state, whole)
-        self._updater = BucketUpdater(
+        self.update_order = order
+        if unchanged:
+            self._updater = self._bucket_updater(layout)
+            self.local_updates = frozenset(s.bucket for s in self._shards if s.world_size == 1)
+            self._load_pending_checkpoint()
+            return
+        group = self._group()
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        # The whole bucket is one rank's in a world of one: no padding, nothing to gather.
+        shards = [shard_bucket(index, layout.bucket_slots[index], [p.numel() for p in bucket.params],
+                               *((0, 1) if index == whole else (rank, world_size)))
+                  for index, bucket in enumerate(layout.buckets)]
+        self._wait_all_updated()  # the all-gathers in flight are numbered by the old buckets
+        places = tuple(_Place(tuple(b.params), tuple(b.offsets), b.dtype, b.flat.device) for b in layout.buckets)
+        self._pending_cut = _PendingCut(places, shards, whole, rank, world_size)
+        self.local_updates = frozenset(s.bucket for s in shards if s.world_size == 1)
+
+    def _settle(self) -> None:
+        """Make the pending layout's chunks: this rank's state moves into its new fragments
+        (collective where an old layout had some) and the parameters into the new flat buffers."""
+        pending, self._pending_cut = self._pending_cut, None
+        if pending is None:
+            return
+        bucket_params = [place.params for place in pending.places]
+        state = (self._reshard_state(bucket_params, pending.shards) if self._shards
+                 else _fragments_of(self._take_optimizer_state(), bucket_params, pending.shards))
+        self._rank, self._world_size = pending.rank, pending.world_size
+        self._cut(pending.places, pending.shards, state, pending.whole_bucket)
+        if self._layout is not None:  # else the next attach builds it
+            self._updater = self._bucket_updater(self._layout)
+        self._load_pending_checkpoint()
+
+    def _bucket_updater(self, layout: GradLayout) -> BucketUpdater:
+        """The fused updates of this rank's fragments, on ``layout``'s gradients."""
+        return BucketUpdater(
             self._optimizer,
             [[piece for _, piece in fragments] for fragments in self._fragments],
             [[layout.buckets[b].flat[f.bucket_offset:f.bucket_offset + f.numel] for f, _ in fragments]
@@ -177,23 +248,24 @@ class ShardedUpdate:
             bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
                            for fragments in self._fragments],
         )
-        self.update_order = order
-        self.local_updates = frozenset(s.bucket for s in self._shards if s.world_size == 1)
+
+    def _load_pending_checkpoint(self) -> None:
+        """A sharded checkpoint `load_sharded` was given before the buckets existed: loaded now."""
         if self._pending_load is not None:
             checkpoint_id, self._pending_load = self._pending_load, None
             self.load_sharded(checkpoint_id)
 
-    def _cut(self, layout: GradLayout, shards: Sequence[BucketShard], state: FragmentStates,
+    def _cut(self, places: Sequence[_Place], shards: Sequence[BucketShard], state: FragmentStates,
              whole: int | None) -> None:
         """New chunks: the parameters move into one flat buffer per bucket, and this rank's
         fragments take their ``state``; of bucket ``whole``, every rank holds everything."""
         self._whole_bucket = whole
         self._shards, self._flats, self._bucket_params, self._fragments = list(shards), [], [], []
         self._state = defaultdict(dict)
-        for index, (bucket, shard) in enumerate(zip(layout.buckets, shards, strict=True)):
-            flat = torch.zeros(shard.padded_numel, dtype=bucket.dtype, device=bucket.flat.device)
+        for index, (place, shard) in enumerate(zip(places, shards, strict=True)):
+            flat = torch.zeros(shard.padded_numel, dtype=place.dtype, device=place.device)
             with torch.no_grad():
-                for param, offset in zip(bucket.params, bucket.offsets, strict=True):
+                for param, offset in zip(place.params, place.offsets, strict=True):
                     view = view_like(flat, offset, param)
                     view.copy_(param.detach())
                     param.data = view
@@ -204,14 +276,14 @@ class ShardedUpdate:
                 if (index, number) in state:
                     self._state[piece] = state.pop((index, number))
             self._flats.append(flat)
-            self._bucket_params.append(tuple(bucket.params))
+            self._bucket_params.append(place.params)
             self._fragments.append(fragments)
 
     def detach(self) -> None:
         """The buckets are about to be laid out anew: let go of their gradients. The chunks stay
-        until `attach` knows whether they change (only then is the state resharded: see
-        [Note: resharding one bucket at a time] in `commsched.update.resharding`)."""
-        self._updater = None
+        until `attach` knows whether they change, and where they do, until the first update in the
+        new layout (see [Note: a new layout is cut after the backward pass])."""
+        self._updater, self._layout = None, None
 
     def adopt(self, optimizer: torch.optim.Optimizer, layout: GradLayout | None) -> None:
         raise RuntimeError(
@@ -228,6 +300,7 @@ class ShardedUpdate:
                scaling: GradScaling | None) -> None:
         """Update this rank's chunk of ``bucket``, then gather every rank's chunk (see
         [Note: one all-gather at a time] in `commsched.update.gather_queue`)."""
+        self._settle()
         self._updater.update(bucket, hyperparameters, skip_slots, scaling)
         shard, flat = self._shards[bucket], self._flats[bucket]
         if shard.world_size == 1:
@@ -248,7 +321,9 @@ class ShardedUpdate:
 
     def _group_after_gathers(self) -> dist.ProcessGroup:
         """The all-gathers' group for any other collective: every queued all-gather starts first, so
-        that it comes after them on every rank."""
+        that it comes after them on every rank; so does a pending layout's move, which every rank
+        then makes before the same collective on this group."""
+        self._settle()
         group = self._group()
         gather_queue_for(group).start_all()
         return group
@@ -257,6 +332,7 @@ class ShardedUpdate:
         """Every bucket updated on ``.grad`` as it is now (averaged: every rank holds the same),
         skipping parameters whose ``.grad`` is None, as torch.optim does."""
         del optimizer_step, again
+        self._settle()
         hyperparameters = self.snapshot()
         without = frozenset(f.slot for fragments, params in zip(self._fragments, self._bucket_params, strict=True)
                             for f, _ in fragments if params[f.position].grad is None)
@@ -301,6 +377,7 @@ class ShardedUpdate:
     def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
         """Each rank writes its own fragments with ``torch.distributed.checkpoint`` (collective);
         see `commsched.update.sharded_checkpoint`."""
+        self._settle()
         pieces, scalars = self._pieces(template=False)
         sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group_after_gathers())
 
@@ -308,6 +385,7 @@ class ShardedUpdate:
         """Each rank reads its own fragments of what `save_sharded` wrote, in any world size and
         layout (collective). Before the first forward pass there are no buckets yet: it happens
         once they exist."""
+        self._settle()
         if not self._shards:
             self._pending_load = checkpoint_id
             return
@@ -320,7 +398,8 @@ class ShardedUpdate:
         for name, value in loaded.items():
             for piece, key in where.get(name, ()):
                 self._state[piece][key] = value.clone()
-        self._updater.state = self._state
+        if self._updater is not None:
+            self._updater.state = self._state
 
     def _pieces(self, template: bool) -> tuple[list[sharded_checkpoint.Piece], dict[str, torch.Tensor]]:
         """Per parameter and state tensor, this rank's fragment and every rank's; the scalars.
@@ -392,14 +471,21 @@ class ShardedUpdate:
         self._updater = None
 
     def sharding(self) -> ShardStatus | None:
-        """The shard layout and this rank's state, once the buckets exist."""
-        if not self._shards:
+        """The shard layout in use and the state this rank holds, once the buckets exist (of a layout
+        not updated in yet, the chunks it will have: see [Note: a new layout is cut after the
+        backward pass])."""
+        pending = self._pending_cut
+        shards = self._shards if pending is None else pending.shards
+        if not shards:
             return None
-        state_bytes = sum(value.numel() * value.element_size() for state in self._state.values()
+        rank, world_size, whole = ((self._rank, self._world_size, self._whole_bucket) if pending is None
+                                   else (pending.rank, pending.world_size, pending.whole_bucket))
+        held = [*self._state.values(), *(self._optimizer.state.get(p, {}) for place in pending.places
+                                         for p in place.params)] if pending is not None else self._state.values()
+        state_bytes = sum(value.numel() * value.element_size() for state in held
                           for value in state.values() if isinstance(value, torch.Tensor))
-        return ShardStatus(self._world_size, self._rank, tuple(s.chunk for s in self._shards),
-                           sum(s.owned_numel for s in self._shards), sum(s.numel for s in self._shards), state_bytes,
-                           () if self._whole_bucket is None else (self._whole_bucket,))
+        return ShardStatus(world_size, rank, tuple(s.chunk for s in shards), sum(s.owned_numel for s in shards),
+                           sum(s.numel for s in shards), state_bytes, () if whole is None else (whole,))
 
     def _take_optimizer_state(self) -> FullState:
         """The optimizer's own per-parameter state (loaded, or made before prepare()), moved out of it."""
@@ -409,16 +495,18 @@ class ShardedUpdate:
 
     def _gather_state(self) -> FullState:
         """Every parameter's whole state, on every rank (collective), in tensors of its own."""
+        self._settle()
         self._wait_all_updated()
         return {param: {key: value.clone() for key, value in state.items()}
                 for bucket in range(len(self._shards)) for param, state in self._gather_bucket(bucket).items()}
 
-    def _reshard_state(self, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
+    def _reshard_state(self, bucket_params: Sequence[Sequence[torch.nn.Parameter]],
+                       shards: Sequence[BucketShard]) -> FragmentStates:
         """This rank's fragments of the state in a new layout (collective): each old bucket's state
         moved a piece at a time, its old fragments let go before the next ([Note: resharding one
         bucket at a time] in `commsched.update.resharding`)."""
         self._wait_all_updated()
-        targets = resharding.new_fragments_by_param([bucket.params for bucket in layout.buckets], shards)
+        targets = resharding.new_fragments_by_param(bucket_params, shards)
         state: FragmentStates = {}
         for bucket in range(len(self._shards)):
             self._move_bucket_state(bucket, targets, state)
@@ -541,11 +629,12 @@ def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
     return order[0] if first_kept_whole([bucket.nbytes for bucket in layout.buckets], order[0]) else None
 
 
-def _fragments_of(held: FullState, layout: GradLayout, shards: Sequence[BucketShard]) -> FragmentStates:
+def _fragments_of(held: FullState, bucket_params: Sequence[Sequence[torch.nn.Parameter]],
+                  shards: Sequence[BucketShard]) -> FragmentStates:
     """The state of this rank's fragments (of ``shards``) of the parameters ``held`` has."""
     state: FragmentStates = {}
     for index, shard in enumerate(shards):
-        params = layout.buckets[index].params
+        params = bucket_params[index]
         for number, fragment in enumerate(shard.fragments):
             full = held.get(params[fragment.position])
             if full:

@@ -695,13 +695,17 @@ def reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
-def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = RESHARD_CAPS_MB) -> dict | None:
+def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = RESHARD_CAPS_MB,
+                    held_by_a_graph: bool = False) -> dict | None:
     """[Note: resharding one bucket at a time] The sharded update policy on its own: Adam steps
     on one layout, then the buckets are laid out anew (as the cost model's choice and the
     auto-tuner's switch points do) and every rank's fragments change. How far the peak RSS rose
-    above the RSS before while the state moved; afterwards the parameters and the whole state
-    must be single-process Adam's. None where glibc's mmap threshold cannot be fixed (then freed
-    blocks stay resident and the peak says nothing)."""
+    above the RSS before, from the new layout to the end of the first update in it, while the
+    parameters and the state moved; afterwards the parameters and the whole state must be
+    single-process Adam's. ``held_by_a_graph``: as in training, the new layout comes between a
+    forward pass, whose graph holds every parameter, and its backward pass ([Note: a new layout
+    is cut after the backward pass]). None where glibc's mmap threshold cannot be fixed (then
+    freed blocks stay resident and the peak says nothing)."""
     if not fix_mmap_threshold():
         return None
     torch.manual_seed(0)
@@ -714,29 +718,44 @@ def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = R
         return build_layout([f"p{i}" for i in range(len(params))], params, range(len(params)),
                             [int(cap_mb * 2**20)] * 2, False, lambda bucket_set: [])
 
-    def both_step(step: int) -> None:
+    def set_gradients(step: int) -> None:
         for param, expected in zip(params, reference, strict=True):
             gradient = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))  # averaged: alike
             param.grad.copy_(gradient)
             expected.grad = gradient.clone()
-        updates.step_on_current_gradients(optimizer.step, again=False)
-        reference_optimizer.step()
 
     for param in params:
         param.grad = torch.zeros_like(param)
     cap_mb, new_cap_mb = caps_mb
     updates.attach(laid_out(cap_mb))
     for step in range(3):
-        both_step(step)
+        set_gradients(step)
+        updates.step_on_current_gradients(optimizer.step, again=False)
+        reference_optimizer.step()
     layouts = [updates.sharding().chunk_elements]
+    loss = None
+    if held_by_a_graph:
+        for param, expected in zip(params, reference, strict=True):
+            param.grad.zero_()
+            expected.grad = torch.ones_like(expected)  # the gradient of the loss below
+        # As in an nn.Linear with an input that needs its gradient: the graph saves a view of each
+        # weight (its transpose), which holds the weight's storage until the backward pass.
+        inputs = torch.ones(1, RESHARD_WIDTH, requires_grad=True)
+        loss = sum(F.linear(inputs, param).sum() for param in params)
+    else:
+        set_gradients(3)
     updates.detach()
-    layout = laid_out(new_cap_mb)
+    layout = laid_out(new_cap_mb)  # the gradients move into the new buckets
     before = resident_mib()
     reset_peak_rss()
     updates.attach(layout)
+    if loss is not None:
+        loss.backward()
+        del loss
+    updates.step_on_current_gradients(optimizer.step, again=False)
     rise = own_peak_rss_mib() - before
+    reference_optimizer.step()
     layouts.append(updates.sharding().chunk_elements)
-    both_step(3)
     updates.close()  # the whole state back in the optimizer
     for param, expected in zip(params, reference, strict=True):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-7)
@@ -780,3 +799,18 @@ def test_a_new_layout_moves_a_large_bucket_state_a_piece_at_a_time(shared_ranks)
         assert len(before) == 1 and len(after) > 1, result["layouts"]
         parameters_mib = result["whole_state_mib"] / 2
         assert result["rise_mib"] < 1.2 * parameters_mib, result
+
+
+@in_shared_ranks(resharding_rise, 2, RESHARD_CAPS_MB, True, timeout_s=200)
+def test_a_new_layout_between_forward_and_backward_moves_after_the_backward_pass(shared_ranks):
+    """A new layout comes at the start of a backward pass, while the forward pass's graph holds
+    every weight's storage (``F.linear`` saves a view of it): made there, the new flat buffers sat
+    beside the old ones, every parameter twice (the peak rose 34 MiB, above the 32 MiB of
+    parameters). Made at the first update, after the backward pass, each old buffer goes as its
+    parameters move: the peak rises by a few buckets and a piece of state, as without a graph
+    (13-15 MiB; [Note: a new layout is cut after the backward pass])."""
+    for result in resharding_results(shared_ranks):
+        before, after = result["layouts"]
+        assert before != after, f"the layout did not change, so nothing was resharded: {before}"
+        parameters_mib = result["whole_state_mib"] / 2
+        assert result["rise_mib"] < 0.75 * parameters_mib, result
