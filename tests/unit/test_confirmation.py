@@ -11,8 +11,6 @@ import random
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout.setting import LayoutSetting
@@ -89,19 +87,37 @@ def test_the_settling_iteration_is_not_measured():
     assert log.current == CHOSEN and log.baseline_ms == pytest.approx(120.0)
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), gain=st.sampled_from([-0.3, 0.0, 0.1, 0.2]))
-def test_noise_does_not_flip_a_clear_verdict(seed, gain):
-    """Iteration times with 1% noise: a gain well outside the largest margin always wins, a loss or tie never does."""
-    rng = random.Random(seed)
-    whole_s = 0.2
+def noisy_verdicts(gain: float, seeds: range) -> list[LayoutSetting]:
+    """The setting kept, per seed, where iteration times carry 1% of noise and the choice is ``gain``
+    faster than whole buckets (negative: slower)."""
+    kept = []
+    for seed in seeds:
+        rng = random.Random(seed)
 
-    def noisy(setting, iteration):
-        base = whole_s * (1 - gain) if setting == CHOSEN else whole_s
-        return base * (1 + rng.gauss(0, 0.01))
+        def noisy(setting, iteration, rng=rng):
+            base = 0.2 * (1 - gain) if setting == CHOSEN else 0.2
+            return base * (1 + rng.gauss(0, 0.01))
 
-    log, _ = run(noisy)
-    assert log.current == (CHOSEN if gain > 2 * MAX_CONFIRMATION_MARGIN else WHOLE)
+        kept.append(run(noisy)[0].current)
+    return kept
+
+
+@pytest.mark.parametrize("gain", [-0.3, 0.1, 0.2])
+def test_noise_does_not_flip_a_clear_verdict(gain):
+    """Iteration times with 1% noise: a gain well outside the largest margin always wins, a loss never does."""
+    assert gain < 0 or gain > 2 * MAX_CONFIRMATION_MARGIN
+    expected = CHOSEN if gain > 0 else WHOLE
+    kept = noisy_verdicts(gain, range(200))
+    assert kept.count(expected) == len(kept), [seed for seed, setting in enumerate(kept) if setting != expected]
+
+
+def test_noise_rarely_turns_a_tie_into_a_change():
+    """A tie with 1% noise keeps whole buckets (the fewer collectives) but where chance puts the choice
+    ahead in both rounds and its median a margin ahead: 5 of the first 3000 seeds. A statistical
+    verdict has such a rate, not a never (drawn at random, 15 ties per run failed about one run in
+    forty); the seeds are fixed, so the test gives the same answer every run."""
+    flipped = noisy_verdicts(0.0, range(3000)).count(CHOSEN)
+    assert flipped <= 15, f"{flipped} of 3000 ties changed the setting"
 
 
 def test_a_slow_spell_in_one_round_does_not_decide():
