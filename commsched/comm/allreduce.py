@@ -29,41 +29,54 @@ logger = logging.getLogger("commsched")
 class _WorkHandle:
     """A torch.distributed ``Work`` whose failure or timeout becomes a clear error."""
 
-    __slots__ = ("_work", "_bucket", "_partition", "_transport", "_scatter")
+    __slots__ = ("_work", "_bucket", "_partition", "_transport")
 
-    def __init__(self, work: dist.Work, bucket: Bucket, partition: Partition, transport: AllReduceTransport,
-                 scatter: reduce_scatter.Scatter | None = None):
+    def __init__(self, work: dist.Work, bucket: Bucket, partition: Partition, transport: AllReduceTransport):
         self._work = work
         self._bucket = bucket  # keeps the buffer alive while the work runs
         self._partition = partition
         self._transport = transport
-        self._scatter = scatter
-        """A reduce-scatter: it keeps its buffers while the work runs, and finishes it."""
 
     def wait(self, timeout_s: float) -> None:
         try:
-            wait_or_raise(self._work, timeout_s, self._what())
+            wait_or_raise(self._work, timeout_s, _all_reduce_what(self._bucket, self._partition))
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
-        if self._scatter is None:
-            copy_back(self._bucket, self._partition.start, self._partition.end)
-        else:
-            self._scatter.finish()
-
-    def _what(self) -> str:
-        """The operation, as a timeout names it."""
-        bucket, partition = self._bucket, self._partition
-        if self._scatter is None:
-            return _all_reduce_what(bucket, partition)
-        return (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
-                f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
+        copy_back(self._bucket, self._partition.start, self._partition.end)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
     def on_complete(self, callback: Callable[[], None]) -> None:
         self._work.get_future().add_done_callback(lambda future: callback())
+
+
+class _ScatterHandle:
+    """A partition's reduce-scatter (`commsched.comm.reduce_scatter.Scatter`), finished once waited for."""
+
+    __slots__ = ("_scatter", "_bucket", "_partition", "_transport")
+
+    def __init__(self, scatter: reduce_scatter.Scatter, bucket: Bucket, partition: Partition,
+                 transport: AllReduceTransport):
+        self._scatter, self._bucket, self._partition, self._transport = scatter, bucket, partition, transport
+
+    def wait(self, timeout_s: float) -> None:
+        bucket, partition = self._bucket, self._partition
+        what = (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
+                f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
+        try:
+            self._scatter.wait(timeout_s, what)
+        except CommunicationTimeout as error:
+            self._transport.explain_failure(error)
+            raise
+        self._scatter.finish()
+
+    def is_completed(self) -> bool:
+        return self._scatter.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._scatter.on_complete(callback)
 
 
 def _all_reduce_what(bucket: Bucket, partition: Partition) -> str:
@@ -193,7 +206,7 @@ class AllReduceTransport:
         if bucket.index in self.scattered:
             scatter = reduce_scatter.Scatter(bucket, partition, self.rank, self.world_size, self.process_group,
                                              by_all_to_all=self._backend_name == "gloo")
-            return _WorkHandle(scatter.work, bucket, partition, self, scatter)
+            return _ScatterHandle(scatter, bucket, partition, self)
         wire = bucket.wire[partition.start:partition.end]
         if (partition.nbytes <= self.two_step_max_bytes
                 and (bucket.index == self._first_bucket or not self._first_bucket_only)):
