@@ -478,10 +478,13 @@ class ShardedUpdate:
         shards = self._shards if pending is None else pending.shards
         if not shards:
             return None
-        rank, world_size, whole = ((self._rank, self._world_size, self._whole_bucket) if pending is None
-                                   else (pending.rank, pending.world_size, pending.whole_bucket))
-        held = [*self._state.values(), *(self._optimizer.state.get(p, {}) for place in pending.places
-                                         for p in place.params)] if pending is not None else self._state.values()
+        held = list(self._state.values())
+        if pending is None:
+            rank, world_size, whole = self._rank, self._world_size, self._whole_bucket
+        else:
+            rank, world_size, whole = pending.rank, pending.world_size, pending.whole_bucket
+            # Before the first layout's move, the state is still the optimizer's.
+            held += [self._optimizer.state.get(p, {}) for place in pending.places for p in place.params]
         state_bytes = sum(value.numel() * value.element_size() for state in held
                           for value in state.values() if isinstance(value, torch.Tensor))
         return ShardStatus(world_size, rank, tuple(s.chunk for s in shards), sum(s.owned_numel for s in shards),
