@@ -35,7 +35,8 @@ from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
 from commsched.engine.trace import check_trace_dir
 from commsched.prepared.foreign_optimizers import watch_foreign_optimizers
-from commsched.prepared.module import CommschedModule, has_own_attribute
+from commsched.prepared.mixing import mix_in
+from commsched.prepared.module import CommschedModule, attach_raw_view, has_own_attribute, is_prepared
 from commsched.prepared.optimizer import CommschedOptimizer, keep_scheduler_counting_steps
 from commsched.ps.job import check_parameter_server_setup, join_parameter_server_job
 from commsched.ps.report import ServerReport
@@ -49,9 +50,6 @@ from commsched.update.sharded import ShardedUpdate, sharding_refusal
 
 ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
-
-_MIXED_CLASSES: dict[tuple[type, type], type] = {}
-
 
 def prepare(
     model: ModelT,
@@ -139,11 +137,12 @@ def _prepare(
         except BaseException:
             transport.finish()  # a refused prepare() leaves no heartbeat thread behind
             raise
-    _mix_in(model, CommschedModule)
+    mix_in(model, CommschedModule)
     model._commsched_reducer = reducer
+    attach_raw_view(model)
     model._join_config = _JoinConfig.construct_disabled_join_config()  # until torch's Join sets it
     if optimizer is not None:
-        _mix_in(optimizer, CommschedOptimizer)
+        mix_in(optimizer, CommschedOptimizer)
         optimizer._commsched_reducer = reducer
         keep_scheduler_counting_steps(optimizer)
     adopter = None
@@ -177,7 +176,7 @@ def _adopt_optimizer(
     if problem is not None:
         raise problem
     after_step = reducer.adopt_optimizer(optimizer)
-    _mix_in(optimizer, CommschedOptimizer)
+    mix_in(optimizer, CommschedOptimizer)
     optimizer._commsched_reducer = reducer
     keep_scheduler_counting_steps(optimizer)
     return after_step
@@ -237,10 +236,10 @@ def _checked_strategy(strategy: Strategy | None) -> Strategy:
 def _check_model(model: torch.nn.Module) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, CommschedModule):
+    if is_prepared(model):
         raise RuntimeError(
-            "commsched.prepare() was already called on this model; call it once per model "
-            "and keep using the model it returned"
+            "commsched.prepare() was already called on this model (or it is the .module of one); call it "
+            "once per model and keep using the model it returned"
         )
 
 
@@ -359,7 +358,7 @@ def _reducer_of(model: torch.nn.Module, caller: str) -> GradientReducer:
     wrapped = getattr(model, "module", None)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and isinstance(wrapped, CommschedModule):
         model = wrapped  # commsched.DistributedDataParallel: the model it prepared
-    if not isinstance(model, CommschedModule):
+    if not is_prepared(model):
         raise ValueError(f"{caller}() takes a model returned by commsched.prepare(), got {type(model).__name__}")
     return model._commsched_reducer
 
@@ -414,14 +413,3 @@ def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
                     "build the optimizer from this model's parameters (e.g. "
                     "model.parameters()), and prepare each model with its own optimizer"
                 )
-
-
-def _mix_in(obj: object, mixin: type) -> None:
-    """Give ``obj`` the behaviour of ``mixin`` while keeping its class's own."""
-    cls = type(obj)
-    mixed = _MIXED_CLASSES.get((mixin, cls))
-    if mixed is None:
-        mixed = type(f"Commsched{cls.__name__}", (mixin, cls),
-                     {"__module__": cls.__module__, USER_CLASS_ATTRIBUTE: cls})
-        _MIXED_CLASSES[(mixin, cls)] = mixed
-    obj.__class__ = mixed

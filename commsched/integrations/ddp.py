@@ -30,6 +30,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from torch.utils._pytree import tree_map_only
 
 from commsched.api import prepare, prepare_adopting_optimizer
+from commsched.prepared.module import drop_raw_view
 from commsched.strategy import Strategy
 
 _REFUSED = {
@@ -113,6 +114,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             prepare(module, optimizer, strategy, process_group)
         else:
             prepare_adopting_optimizer(module, strategy, process_group)
+        drop_raw_view(module)  # self.module is the model, and it has no .module, as under torch DDP
         self.module = module
         self.strategy = strategy
         # torch DDP's public attributes, for code that reads them.

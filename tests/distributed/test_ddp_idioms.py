@@ -7,8 +7,10 @@ here: it is what these scripts were written against).
 
 from __future__ import annotations
 
+import copy
 import io
 import typing
+import unittest.mock
 import warnings
 
 import pytest
@@ -75,7 +77,8 @@ def case_require_backward_grad_sync(rank):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, optimizer = commsched.prepare(model, optimizer)
     raw_model = model.module
-    assert raw_model is model
+    assert raw_model is not model and type(raw_model).__name__ == "Sequential", type(raw_model)
+    assert isinstance(raw_model, nn.Sequential) and not hasattr(raw_model, "module")
     typing.get_type_hints(type(model)), typing.get_type_hints(type(optimizer))  # as transformers reads them
     group, calls, real_all_reduce = commsched.status(model).process_groups.replicas, [], dist.all_reduce
 
@@ -183,6 +186,81 @@ def case_model_with_its_own_module(rank):
     commsched.release(model)
 
 
+def unwrap_recursively(model: nn.Module) -> nn.Module:
+    """The shape of timm's ``unwrap_model`` (and transformers' without accelerate): any ``.module`` is a wrapper."""
+    if hasattr(model, "module"):
+        return unwrap_recursively(model.module)
+    return model
+
+
+def unwrap_while(model: nn.Module, most: int = 10) -> nn.Module:
+    """``while hasattr(m, "module"): m = m.module``, failing instead of looping forever."""
+    for _ in range(most):
+        if not hasattr(model, "module"):
+            return model
+        model = model.module
+    raise AssertionError(f"still a .module after {most} unwrappings: {type(model).__name__}")
+
+
+def unwrappers() -> dict[str, typing.Callable[[nn.Module], nn.Module]]:
+    from accelerate.utils import extract_model_from_parallel
+    from transformers import modeling_utils
+
+    def transformers_without_accelerate(model):
+        with unittest.mock.patch.object(modeling_utils, "is_accelerate_available", lambda: False):
+            return modeling_utils.unwrap_model(model)
+
+    return {
+        "recursive (timm)": unwrap_recursively,
+        "while hasattr": unwrap_while,
+        "transformers": modeling_utils.unwrap_model,
+        "transformers without accelerate": transformers_without_accelerate,
+        "accelerate": extract_model_from_parallel,
+        "accelerate, recursive": lambda model: extract_model_from_parallel(model, recursive=True),
+    }
+
+
+def case_unwrapping_ends(rank):
+    """Code that takes wrappers off until there is no ``.module`` ends, at a module of the user's
+    class that is the prepared model's raw view: its parameters and state dict are the trained ones,
+    and its copies are plain (timm's EMA, ``distribute_bn``); through the drop-in, at the model
+    itself, as under torch DDP ([Note: model.module] in `commsched.prepared.module`)."""
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer = commsched.prepare(model, optimizer)
+    raw_model = model.module
+    by_type = ("accelerate", "transformers")  # unwrap torch DDP's class only
+    for name, unwrap in unwrappers().items():
+        unwrapped = unwrap(model)
+        assert unwrapped is (model if name in by_type else raw_model), (name, type(unwrapped))
+    assert [id(p) for p in raw_model.parameters()] == [id(p) for p in model.parameters()]
+    assert commsched.status(raw_model).iterations == 0
+    nanogpt_loop(raw_model, optimizer, rank)  # trained through the raw view, as through the model
+    reference = torch_ddp_reference(rank)
+    assert_same_state(unwrap_recursively(model).state_dict(), reference)
+    ema = copy.deepcopy(unwrap_recursively(model))
+    assert type(ema) is nn.Sequential, type(ema)
+    assert_same_state(ema.state_dict(), reference)
+    buffer = io.BytesIO()
+    torch.save(raw_model, buffer)
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=False)) is nn.Sequential
+    with pytest.raises(RuntimeError, match="already called on this model"):
+        commsched.prepare(raw_model, torch.optim.SGD(raw_model.parameters(), lr=0.1))
+    commsched.release(raw_model)
+
+    inner = net()
+    wrapped = commsched.DistributedDataParallel(inner)
+    assert wrapped.module is inner and not hasattr(inner, "module")
+    for name, unwrap in unwrappers().items():
+        assert unwrap(wrapped) is inner, name
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    nanogpt_loop(wrapped, optimizer, rank)
+    raw_model = wrapped.module
+    assert_same_state(raw_model.state_dict(), reference)
+    commsched.release(raw_model)
+
+
 def case_optimizer_over_some_parameters(rank):
     """The drop-in adopts one optimizer over every parameter; a second one is refused with the fixes."""
     model = commsched.DistributedDataParallel(net())
@@ -202,6 +280,7 @@ def ddp_idioms(rank: int, world_size: int) -> None:
         "refused arguments": lambda: case_refused_arguments(rank),
         "a model with its own 'module'": lambda: case_model_with_its_own_module(rank),
         "an optimizer over some parameters": lambda: case_optimizer_over_some_parameters(rank),
+        "unwrapping ends at the model": lambda: case_unwrapping_ends(rank),
     })
 
 
