@@ -28,6 +28,7 @@ from torch.distributed.algorithms.join import JoinHook
 from commsched.comm.agreement import broadcast_from, highest_rank_still_training
 from commsched.comm.side_groups import takes_cpu_tensors
 from commsched.engine.groups import ProcessGroups
+from commsched.errors import CommunicationTimeout
 from commsched.update.base import Hyperparameters
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.step_records import StepRecords
@@ -124,15 +125,37 @@ STEP_WITHOUT_BACKWARD_UNDER_JOIN = (
 )
 
 
+ENDED_UNSTEPPED = (
+    "This rank's loop under Join ended with a backward pass that optimizer.step() never followed, while "
+    "a rank out of batches waited for that step (with sharded optimizer state it updates its own part at "
+    "each of the others' steps) and gave up. Step after every synchronised backward pass inside Join (or "
+    "run that last backward pass outside it), or use AllReduce() without sharding"
+)
+
+
+UNSTEPPED_WHILE_OTHERS_STEPPED = (
+    "rank {rank}: its loop under Join ended with a backward pass that optimizer.step() never followed, while "
+    "the ranks still training stepped that iteration: with sharded optimizer state every rank updates its "
+    "own part at every step, so every rank must step the same iterations. Step after every synchronised "
+    "backward pass inside Join (or run that last backward pass outside it), or use AllReduce() without sharding"
+)
+
+
 class JoinedSteps:
     """[Note: a joined rank's shard] for the reducer: which synchronised iteration still owes its
     step's record, and the record a rank out of batches receives. Without sharded state
     (``records`` None) it does nothing."""
 
-    def __init__(self, records: StepRecords | None):
-        self._records = records
+    def __init__(self, records: StepRecords | None, counts: UnevenInputs):
+        """``counts``: where Join counts the ranks still training."""
+        self._records, self._counts = records, counts
         self._owed = False
         """A synchronised forward pass ran under Join and no record of its step went out yet."""
+        self.ended_unstepped = False
+        """This rank began shadowing with a record owed: its loop ended after a backward pass without
+        ``step()``. Harmless where no other rank stepped that iteration; a failure of that shadowed
+        iteration is then explained by it (`ENDED_UNSTEPPED`)."""
+        self._wake: tuple[dist.Work, torch.Tensor] | None = None
 
     @property
     def needed(self) -> bool:
@@ -153,12 +176,38 @@ class JoinedSteps:
             self._owed = False
 
     def shadowing(self) -> None:
-        """This rank's first shadowed iteration: its own last one may still owe its record."""
-        self._send_owed()
+        """This rank's first shadowed iteration: its own last one may still owe its record.
+
+        The count that let this rank shadow came after every other rank's record of
+        that iteration (sent at its ``step()``, or before its next count), so the
+        record is exchanged at once; a rank whose last iteration went unstepped
+        while the others stepped it is refused (its chunks would miss that update).
+        """
+        if not self._owed:
+            return
+        self._owed = False
+        self.ended_unstepped = True
+        if self._records.send_unstepped():
+            raise RuntimeError(UNSTEPPED_WHILE_OTHERS_STEPPED.format(rank=dist.get_rank()))
 
     def receive(self, own: Hyperparameters) -> tuple[Hyperparameters, GradScaling | None] | None:
-        """On a rank out of batches, after the others' reductions: their step (see `StepRecords.receive`)."""
-        return self._records.receive(own)
+        """On a rank out of batches, after the others' reductions: their step (see `StepRecords.receive`).
+
+        [Note: waking the last trainer] Where no record came, the last rank still
+        training may have left its loop after a backward pass without ``step()``:
+        it then waits in Join's own count of the ranks still training, which this
+        rank joins only after the record, and would get gloo's bare error once
+        this rank has gone. So, giving up, this rank joins that count first: the
+        other rank's Join then shadows an iteration, where it sends its record,
+        finds this rank gone and says why (`ENDED_UNSTEPPED`). Elsewhere (a rank
+        dead, or still computing) the extra count is never waited for.
+        """
+        try:
+            return self._records.receive(own)
+        except CommunicationTimeout:
+            count = torch.ones(1, device=self._counts.device)
+            self._wake = (dist.all_reduce(count, group=self._counts.process_group, async_op=True), count)
+            raise
 
     def close(self) -> None:
         if self._records is not None:

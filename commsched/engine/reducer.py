@@ -39,14 +39,14 @@ from commsched.engine.finite import FiniteCheck
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
-from commsched.engine.join import STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
+from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
 from commsched.engine.tuning import TuningSession, autotuner, confirmation
 from commsched.engine.views_ahead import ViewsAhead
 from commsched.engine.warmup import Warmup, WarmupResult
-from commsched.errors import communication_failed
+from commsched.errors import CommunicationTimeout, communication_failed
 from commsched.layout.grad_layout import GradLayout, build_layout
 from commsched.layout.partitions import Plan, fifo_plan
 from commsched.layout.setting import LayoutSetting
@@ -149,7 +149,7 @@ class GradientReducer:
                                        config.broadcast_buffers and transport.world_size > 1)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
                                           transport.join_refusal or policy.join_refusal, config.overlap_requested)
-        self._joined_steps = JoinedSteps(policy.step_records)
+        self._joined_steps = JoinedSteps(policy.step_records, self.uneven_inputs)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current)
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
@@ -445,7 +445,17 @@ class GradientReducer:
                 "commsched learns the bucket layout from the first iteration, so every rank needs at "
                 "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
             )
-        self._joined_steps.shadowing()
+        try:
+            with failures_explained(self.transport):
+                self._joined_steps.shadowing()
+                self._shadow_collectives()
+        except CommunicationTimeout as error:
+            if not self._joined_steps.ended_unstepped:
+                raise
+            # [Note: waking the last trainer] in `commsched.engine.join`
+            raise CommunicationTimeout(f"{error} {ENDED_UNSTEPPED}.") from error
+
+    def _shadow_collectives(self) -> None:
         self.buffers.shadow_iteration(under_join=self.uneven_inputs.enabled)
         self.synchronize()
         self._phase = Phase.BACKWARD
@@ -487,7 +497,8 @@ class GradientReducer:
         """A forward gate: this module's own buckets must be updated first."""
         current = self.current
         if current is not None and current.outstanding:
-            current.complete_buckets(buckets)
+            with failures_explained(self.transport):  # sharded state's all-gathers too
+                current.complete_buckets(buckets)
 
     # ------------------------------------------------------------ user's calls
     @property
@@ -561,7 +572,8 @@ class GradientReducer:
             raise synchronize_during_backward_error()
         current = self.current
         if current is not None:
-            current.complete_all()
+            with failures_explained(self.transport):  # sharded state's all-gathers too
+                current.complete_all()
             # Gradients are final now: changing them before step() is legitimate.
             current.grads_final = True
 
@@ -586,7 +598,8 @@ class GradientReducer:
         warmup = self.warmup
         if warmup is not None:
             warmup.before_step()
-        self._step(optimizer_step, scaling)
+        with failures_explained(self.transport):
+            self._step(optimizer_step, scaling)
         if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
             self.warmup = None
         self._events.step_finished(started, time.perf_counter())

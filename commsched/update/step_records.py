@@ -74,6 +74,14 @@ class StepRecords:
         work = dist.all_reduce(record, op=dist.ReduceOp.MAX, group=self._group(), async_op=True)
         self._sent = (work, record)
 
+    def send_unstepped(self) -> bool:
+        """On a rank that begins shadowing with its last iteration unstepped, once every other rank's
+        record of that iteration is out: send this rank's, wait, and tell whether another rank stepped."""
+        self.send(None, None)
+        _, record = self._sent
+        self.wait_sent()
+        return bool(record[_STEPPED] == 1)
+
     def wait_sent(self) -> None:
         """The last record sent is through (every rank took part in it)."""
         if self._sent is not None:

@@ -814,3 +814,49 @@ def test_a_new_layout_between_forward_and_backward_moves_after_the_backward_pass
         assert before != after, f"the layout did not change, so nothing was resharded: {before}"
         parameters_mib = result["whole_state_mib"] / 2
         assert result["rise_mib"] < 0.75 * parameters_mib, result
+
+
+# ------------------------------------------------- Join: a last iteration never stepped
+def last_iteration_unstepped(rank: int, world_size: int, unstepped_rank: int) -> str:
+    """Under ``Join`` with sharded state, rank 0 has 6 batches and rank 1 has 4; ``unstepped_rank``
+    runs its last backward pass without ``step()``. Each rank's error, as the script sees it."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), sharded(timeout_s=4))
+    batches = 6 if rank == 0 else 4
+    generator = torch.Generator().manual_seed(rank)
+    try:
+        with Join([model]):
+            for index in range(batches):
+                F.mse_loss(model(torch.randn(4, 8, generator=generator)), torch.zeros(4, 4)).backward()
+                if not (rank == unstepped_rank and index == batches - 1):
+                    optimizer.step()
+                    optimizer.zero_grad()
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_the_last_trainer_leaving_an_iteration_unstepped_is_told_why(ranks):
+    """Rank 0, the last still training, ends its loop after a backward pass without ``step()``:
+    rank 1, out of batches, waits for that step's record and gives up with the fix; rank 0, which
+    waited in ``Join``'s own count (it got gloo's bare "Connection closed by peer" there), is woken
+    into a shadowed iteration and says that its unstepped iteration is the cause, with the fix."""
+    messages = ranks(last_iteration_unstepped, 2, 0, timeout_s=120)
+    assert "CommunicationTimeout: rank 1: the record of the others' step" in messages[1], messages
+    assert "step after every synchronised backward pass" in messages[1], messages
+    assert messages[0].startswith("CommunicationTimeout: rank 0:"), messages
+    assert "This rank's loop under Join ended with a backward pass that optimizer.step() never followed" in \
+        messages[0], messages
+    assert "Step after every synchronised backward pass inside Join" in messages[0], messages
+
+
+def test_a_rank_leaving_an_iteration_unstepped_that_the_others_stepped_is_refused(ranks):
+    """Rank 1 runs out of batches after a backward pass it never steps, which rank 0 stepped: its
+    part of the state would miss that update, so it is refused at once with the fix, and rank 0,
+    whose all-gathers wait for rank 1's part, names rank 1 (not "another rank")."""
+    messages = ranks(last_iteration_unstepped, 2, 1, timeout_s=120)
+    assert messages[1].startswith("RuntimeError: rank 1: its loop under Join ended with a backward pass that "
+                                  "optimizer.step() never followed, while the ranks still training stepped"), messages
+    assert "Step after every synchronised backward pass inside Join" in messages[1], messages
+    assert messages[0].startswith("CommunicationTimeout: rank 0:") and "Rank 1 " in messages[0], messages
