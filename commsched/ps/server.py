@@ -268,10 +268,16 @@ class ParameterServer:
     def _fail_uneven(self, w: int, count: int, meanwhile: str) -> None:
         worker, how = self.roles.workers[w], self._how_finished[w]
         if how == "finished":
+            # [Note: a worker that ends early] A process cannot read its own exit status at
+            # exit, so one that caught an error and called sys.exit(1) says FINISH as one
+            # that ran out of batches does: the message names both, and the cure of each.
             self._fail(
-                f"worker rank {worker} finished after {count} synchronised iterations while {meanwhile}; "
-                "with Strategy(ps_mode='sync') every worker must run the same number of iterations "
-                "(give every rank the same number of batches, e.g. DistributedSampler(drop_last=True))"
+                f"worker rank {worker} ended after {count} synchronised iterations without an uncaught error, "
+                f"while {meanwhile}: it ran out of batches, or it stopped on an error it caught (sys.exit() "
+                f"in an except clause, say); rank {worker}'s log tells which. With ParameterServer(mode='sync') "
+                "every worker runs the same number of iterations: give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)), or, after an error, let it end the script uncaught "
+                "so that the servers are told of the failure"
             )
         self._fail(
             f"worker rank {worker} was lost: its connection to parameter server rank {self.roles.rank} "

@@ -216,6 +216,11 @@ try:
         if iteration == at and rank == victim:
             if signum == 0:
                 raise ValueError("the victim's own error")  # uncaught: it ends the script
+            if signum < 0:  # caught, and the script exits with a status of its own
+                try:
+                    raise ValueError("the victim's own error")
+                except ValueError:
+                    sys.exit(1)
             os.kill(os.getpid(), signum)
         F.mse_loss(model(torch.randn(8, 32, generator=generator)), torch.zeros(8, 4)).backward()
         optimizer.step()
@@ -239,7 +244,8 @@ def _read_lines(process: subprocess.Popen, lines: list[str]) -> None:
 
 def survivors_after_a_failure(victim: int, signum: int, at: int, backend: str, ending: str, world_size: int = 3,
                               logs: list[str] | None = None):
-    """Run the job; ``victim`` signals itself (signal 0: raises an exception) as iteration ``at``
+    """Run the job; ``victim`` signals itself (signal 0: raises an exception; -1: raises one, catches it and
+    calls ``sys.exit(1)``) as iteration ``at``
     starts. Per survivor: (message, seconds from its error to its exit, or None if it had not exited
     ``EXIT_WITHIN_S`` + 10 s after it, return code, log). ``logs``: filled with every rank's log."""
     # The job's store lives here, as torchrun's agent hosts it, so that it outlives every rank.
@@ -351,3 +357,16 @@ def test_a_crashed_parameter_server_worker_is_reported_as_a_crash():
     server = logs[2]
     assert "ParameterServerError: worker rank 1 failed with an exception" in server, server[-3000:]
     assert "finished after" not in server, server[-3000:]
+
+
+def test_a_parameter_server_worker_that_exits_after_a_caught_error_is_not_called_finished():
+    """Worker 1 catches an error of its own and calls ``sys.exit(1)``: no process can read its own
+    exit status, so the server cannot tell this from running out of batches; its error, quoted by
+    worker 0, says both and the cure of each, in the current spelling, and calls it no finish."""
+    logs: list[str] = []
+    results = survivors_after_a_failure(1, -1, KILL_AT, "ps", "raise", logs=logs)
+    _check_prompt_exits(results, 1, "worker rank 1 ended after")
+    for text in (results[0][0], logs[2]):
+        assert "stopped on an error it caught" in text and "rank 1's log tells which" in text, text[-3000:]
+        assert "finished after" not in text and "ps_mode" not in text, text[-3000:]
+        assert "ParameterServer(mode='sync')" in text, text[-3000:]
