@@ -499,6 +499,12 @@ class BackwardPass:
             for bucket, version in zip(self._layout.buckets, self._launch_versions, strict=True)
         )
 
+    def wait_in_flight(self) -> None:
+        """Wait for every operation this pass issued, updating nothing (the script ended inside the pass)."""
+        for handles in self._handles:
+            for handle in handles:
+                handle.wait(self._timeout_s)
+
     def drop_handles(self) -> None:
         """Let go of every operation: once the pass is over, or at exit (see [Note: process groups at exit])."""
         self._handles = [[] for _ in self._handles]

@@ -150,7 +150,8 @@ class GradientReducer:
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
                                           transport.join_refusal or policy.join_refusal, config.overlap_requested)
         self._joined_steps = JoinedSteps(policy.step_records, self.uneven_inputs)
-        self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current)
+        self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current,
+                                 self._finish_in_flight)
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
             self._build(list(range(len(self.params))), {})
@@ -685,6 +686,21 @@ class GradientReducer:
         elif self.current is not None:
             # Gradients still being settled must not reappear as .grad afterwards.
             self.current.grads_released = True
+
+    def _finish_in_flight(self) -> None:
+        """At exit, for a model never released: see [Note: operations in flight at exit] in
+        `commsched.engine.shutdown`. Its updates run too where the pass is over. Never raises: a
+        failure here is a `CommunicationTimeout` noted, after which the shutdown waits for nothing."""
+        current = self.current
+        if current is None or self.lifecycle is Lifecycle.RELEASED:
+            return
+        try:
+            if self._phase is Phase.IDLE:
+                self.synchronize()
+            else:  # the script ended inside a backward pass
+                current.wait_in_flight()
+        except Exception:  # noqa: BLE001 - the process is ending: say what happened and let it end
+            logger.warning("commsched: what was in flight at exit did not finish", exc_info=True)
 
     def close(self) -> None:
         """Finish what is in flight, let go of peers and hooks: the model trains locally afterwards."""

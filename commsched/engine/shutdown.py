@@ -1,6 +1,7 @@
 """The end of a prepared model's communication: at ``commsched.release``, and at exit for one never released.
 
-It tells the peers this rank is done (the transport's `finish`), waits for the
+At exit, what the model still has in flight is finished first (see [Note:
+operations in flight at exit]). Then it tells the peers this rank is done (the transport's `finish`), waits for the
 completion callbacks still to run (see [Note: callbacks at exit] in
 `commsched.engine.completion`), drops the operations of the last pass, lets go
 of the process groups (see [Note: process groups at exit] in
@@ -39,10 +40,13 @@ class Shutdown:
         events: Observer,
         groups: ProcessGroups,
         last_pass: Callable[[], BackwardPass | None],
+        finish_in_flight: Callable[[], None],
     ):
-        """``last_pass()``: the latest backward pass, whose operations are dropped."""
+        """``last_pass()``: the latest backward pass, whose operations are dropped;
+        ``finish_in_flight()``: at exit, waits for what the model still has in flight
+        (see [Note: operations in flight at exit])."""
         self._transport, self._tracker, self._events, self._groups = transport, tracker, events, groups
-        self._last_pass = last_pass
+        self._last_pass, self._finish_in_flight = last_pass, finish_in_flight
         atexit.register(_at_exit, weakref.ref(self))
 
     def __call__(self) -> None:
@@ -78,6 +82,20 @@ class Shutdown:
 
 
 def _at_exit(shutdown_ref: weakref.ref) -> None:
+    """[Note: operations in flight at exit] A script may end with reductions (and
+    updates, all-gathers) still in flight: with forward overlap, ``step()`` returns
+    before them, and nothing the script does next need wait (rank 0 writes a
+    checkpoint, the other ranks just end). gloo's worker thread then finishes such
+    an operation while the interpreter finalizes, and dropping it lets go of
+    tensors that need the interpreter lock, which a thread cannot take then: the
+    process aborts ("terminate called without an active exception") after a
+    complete run, one run in four of a 2-rank script on loopback. So at exit, unless
+    communication failed, a model never released first finishes what it has in
+    flight (waited for as any reduction is, so a lost peer still ends it in
+    ``timeout_s`` as a failure), then shuts down.
+    """
     shutdown = shutdown_ref()
     if shutdown is not None:
+        if not communication_failed():
+            shutdown._finish_in_flight()
         shutdown()

@@ -370,3 +370,81 @@ def test_a_parameter_server_worker_that_exits_after_a_caught_error_is_not_called
         assert "stopped on an error it caught" in text and "rank 1's log tells which" in text, text[-3000:]
         assert "finished after" not in text and "ps_mode" not in text, text[-3000:]
         assert "ParameterServer(mode='sync')" in text, text[-3000:]
+
+
+# --------------------------------------------------------------- a complete run's exit
+IN_FLIGHT_AT_EXIT = """
+import atexit, os, sys
+import torch, torch.distributed as dist, torch.nn.functional as F
+
+ending = sys.argv[1]
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+# Registered before commsched's own exit handler, so it runs after it.
+atexit.register(lambda: store.set(f"rank {rank} past commsched's exit", "1"))
+import commsched
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+strategy = commsched.Strategy(credit_mb=None)  # no credit: nothing waits for a completion's callback
+model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+
+def train_step():
+    F.mse_loss(model(torch.randn(8, 32)), torch.zeros(8, 4)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+for _ in range(6):  # warm-up is over: step() returns before the reductions
+    train_step()
+if rank == 1:
+    train_step()  # its reductions can finish only once rank 0 has issued its own
+    if ending == "destroy":
+        dist.destroy_process_group()
+else:
+    try:
+        store.wait(["rank 1 past commsched's exit"], datetime.timedelta(seconds=3))
+        print("EARLY rank 1 was past commsched's exit handler with its reductions in flight", flush=True)
+    except RuntimeError:  # the wait timed out: rank 1 is still in its exit handler, waiting for this rank
+        pass
+    train_step()
+    optimizer.synchronize()
+    if ending == "destroy":
+        dist.destroy_process_group()
+print("FINISHED", flush=True)
+""".replace("import atexit, os, sys", "import atexit, datetime, os, sys")
+
+
+def run_script(script: str, world_size: int, *args: str, timeout_s: float = 120) -> list[tuple[int | None, str]]:
+    """``script`` on ``world_size`` processes started as torchrun starts them (env://, the job's store
+    here); per rank, its exit code (None: killed after ``timeout_s``) and its output."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                                         "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                                         "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        for rank in range(world_size)]
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+            results.append((process.returncode, output))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            results.append((None, process.communicate()[0]))
+    return results
+
+
+@pytest.mark.parametrize("ending", ["exit", "destroy"])
+def test_a_complete_run_leaves_nothing_in_flight_for_the_interpreters_finalization(ending):
+    """A script that ends right after ``step()`` (forward overlap on) with its reductions still in
+    flight: commsched's exit handler waits for them, so nothing finishes while the interpreter
+    finalizes, where a completion aborts the process ("terminate called without an active
+    exception", one run in four of a 2-rank script; [Note: operations in flight at exit] in
+    `commsched.engine.shutdown`). Rank 0 joins rank 1's last reductions only after giving rank 1
+    3 s to get past commsched's exit handler, which it must not: it is waiting for them."""
+    for rank, (code, output) in enumerate(run_script(IN_FLIGHT_AT_EXIT, 2, ending)):
+        assert code == 0 and "FINISHED" in output, (rank, code, output[-3000:])
+        assert "EARLY" not in output and "terminate called" not in output, (rank, output[-3000:])
