@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
@@ -40,6 +40,16 @@ _failures = 0
 _abandoned: set[int] = set()
 """ids of the groups `abandon_process_groups` keeps alive."""
 
+_failure_listeners: list[Callable[[str], None]] = []
+"""Told what was waited for, at each `CommunicationTimeout` made (`on_communication_failure`)."""
+
+
+def on_communication_failure(listener: Callable[[str], None]) -> None:
+    """Tell ``listener`` what was waited for whenever a `CommunicationTimeout` is made in this
+    process (the heartbeat notes it for the peers: [Note: naming the lost rank] in
+    `commsched.comm.heartbeat`). A listener must not raise, nor block for long."""
+    _failure_listeners.append(listener)
+
 
 def wait_work(work: dist.Work, timeout_s: float | None) -> None:
     """Wait for ``work`` at most ``timeout_s`` seconds (None: the process group's own timeout)."""
@@ -55,6 +65,8 @@ def communication_timeout(
     """The error for ``what`` having failed or overrun ``timeout_s``, with its likely ``cause``."""
     global _failures
     _failures += 1
+    for listener in _failure_listeners:
+        listener(what)
     if who is None:
         who = f"rank {dist.get_rank() if dist.is_initialized() else 0}"
     detail = f" ({error})" if error is not None else ""

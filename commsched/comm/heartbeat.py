@@ -8,7 +8,11 @@ write needs no answer, so a beat never blocks, even cut off from the network).
 After a failed reduction, a survivor reads every peer's beat over `SILENCE_S`:
 a rank whose counter did not move is dead, stopped, or cut off; one that beats
 but has not begun this rank's iteration is busy elsewhere; the error names
-them. Nothing runs per iteration; a failure costs `SILENCE_S` more.
+them. Nothing runs per iteration; a failure costs `SILENCE_S` more. A rank
+that gets a communication error of its own leaves a note of what it waited for
+(`Heartbeat.note_failure`), which the others quote: two ranks waiting in
+different collectives (one in ``optimizer.state_dict()``, the other at the
+next backward pass) each learn where the other one was.
 
 [Note: store clients are reused] Each new client of the job's store is a
 connection to the store's server, which now and then stalls a new connection
@@ -39,6 +43,8 @@ import weakref
 from collections.abc import Sequence
 
 import torch.distributed as dist
+
+from commsched.errors import on_communication_failure
 
 BEAT_PERIOD_S = 0.5
 """How often every rank writes its heartbeat."""
@@ -201,6 +207,15 @@ class _RunningBeats:
 _RUNNING = _RunningBeats()
 atexit.register(_RUNNING.end_all)  # registered at import, before any model's own exit handler: runs after them
 
+_HEARTBEATS: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+"""This process's heartbeats, each noting this rank's communication errors for its peers."""
+on_communication_failure(lambda what: _note_failure_in_every_heartbeat(what))
+
+
+def _note_failure_in_every_heartbeat(what: str) -> None:
+    for heartbeat in list(_HEARTBEATS):
+        heartbeat.note_failure(what)
+
 
 class Heartbeat:
     """This rank's beat into the job's store, and, after a failure, who else still beats.
@@ -228,12 +243,15 @@ class Heartbeat:
         self._joined = store_clock(self._store)
         """Marks written at or before this tick were left by an earlier job (see [Note: keys of this job only])."""
         self._verdict: str | None = None
+        self._noted = False
+        """This rank left its note of a failure of its own."""
         self._beat = _Beat(self._store, _KEY.format(rank))
         self._thread = threading.Thread(target=self._beat.run, name="commsched-heartbeat", daemon=True)
         _RUNNING.add(self._thread, self._beat)
         # A heartbeat dropped without stop() (its model never released) ends with it.
         weakref.finalize(self, self._beat.stopped.set)
         self._thread.start()
+        _HEARTBEATS.add(self)
 
     @classmethod
     def of_group(cls, group: dist.ProcessGroup) -> Heartbeat | None:
@@ -267,6 +285,19 @@ class Heartbeat:
             _STORE_CLIENTS.give_back(self._origin, self._store)  # the thread left `_RUNNING` as it ended
         self._store = None
 
+    def note_failure(self, what: str) -> None:
+        """A communication error of this rank's own, waiting for ``what``: noted (once) for the
+        peers to quote. Best effort, within `STORE_REACH_S`."""
+        if self._noted or self._store is None:
+            return
+        self._noted = True
+        try:
+            store = self._template.clone()
+            store.set_timeout(datetime.timedelta(seconds=STORE_REACH_S))
+            store.set(_FAILED_KEY.format(self._rank), f"{store_clock(store)} {what}")
+        except Exception:  # noqa: BLE001 - the store may be gone with its host: nothing to tell
+            logger.debug("commsched: could not note this rank's failure in the job's store", exc_info=True)
+
     def lost_peers(self) -> str:
         """After a failure: a sentence naming the peers that stopped beating or lag behind (watched once)."""
         if self._verdict is None:
@@ -288,7 +319,8 @@ class Heartbeat:
         try:
             store = self._template.clone()
             # Survivors end after their own error: their silence must not be taken for the cause.
-            store.set(_FAILED_KEY.format(self._rank), str(store_clock(store)))
+            if not self._noted:
+                store.set(_FAILED_KEY.format(self._rank), str(store_clock(store)))
             first = {peer: _read(store, _KEY.format(peer)) for peer in self._peers}
             latest = dict(first)
             silent = set(self._peers)
@@ -298,19 +330,25 @@ class Heartbeat:
                 for peer in sorted(silent):
                     latest[peer] = _read(store, _KEY.format(peer))
                 silent = {peer for peer in silent if latest[peer] == first[peer]}
-            ended = {peer for peer in silent if self._failed_in_this_job(store, peer)}
+            notes = {peer: self._failure_in_this_job(store, peer) for peer in self._peers}
+            ended = {peer for peer in silent if notes[peer] is not None}
         except RuntimeError:
             return (f"The job's store at {host}:{port} accepts connections but did not answer within "
                     f"{STORE_REACH_S:g} s: the process that hosts it (rank 0, unless torchrun's agent does) is "
                     "probably stopped, hung, or ending.")
-        return self._verdict_on(silent - ended, ended, {peer: _iteration_of(latest[peer]) for peer in self._peers})
+        return self._verdict_on(silent - ended, ended, {peer: _iteration_of(latest[peer]) for peer in self._peers},
+                                {peer: note for peer, note in notes.items() if note})
 
-    def _failed_in_this_job(self, store: dist.Store, peer: int) -> bool:
-        """Whether ``peer`` noted a communication error of its own after this rank joined."""
-        tick = _read(store, _FAILED_KEY.format(peer))
-        return tick is not None and tick.isdigit() and int(tick) > self._joined
+    def _failure_in_this_job(self, store: dist.Store, peer: int) -> str | None:
+        """What ``peer`` waited for when it noted a communication error of its own after this rank
+        joined ("" where it did not say), or None if it noted none."""
+        note = _read(store, _FAILED_KEY.format(peer))
+        tick, _, what = (note or "").partition(" ")
+        return what if tick.isdigit() and int(tick) > self._joined else None
 
-    def _verdict_on(self, lost: set[int], ended: set[int], iterations: dict[int, int | None]) -> str:
+    def _verdict_on(self, lost: set[int], ended: set[int], iterations: dict[int, int | None],
+                    waited_for: dict[int, str]) -> str:
+        """``waited_for``: per peer that noted a failure, what it waited for (see `note_failure`)."""
         verdict = []
         if lost:
             verdict.append(f"{_ranks(lost)} stopped responding: no heartbeat for {SILENCE_S:g} s (dead, "
@@ -318,6 +356,8 @@ class Heartbeat:
         if ended:
             whose = "its" if len(ended) == 1 else "their"
             verdict.append(f"{_ranks(ended)} ended after a communication error of {whose} own.")
+        for peer, what in sorted(waited_for.items()):
+            verdict.append(f"Rank {peer} had waited for {what}.")
         alive = set(self._peers) - lost - ended
         behind = {peer for peer in alive
                   if self._iteration >= 0 and iterations[peer] is not None and iterations[peer] < self._iteration}

@@ -241,7 +241,7 @@ class GradientReducer:
             self.confirming = (self.config.layout, whole_buckets(configured))
             beside = [s.on(configured) for s in (result.choice.runner_up, result.choice.best_whole) if s is not None]
             self.tuning = TuningSession(confirmation(*self.confirming, beside), self.groups, self.transport,
-                                        self.config.timeout_s)
+                                        self.config.timeout_s, "the check of the cost model's choice of layout")
         if self.tuning is not None:
             new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
         return new_order
@@ -296,7 +296,7 @@ class GradientReducer:
                             tuple(self.layout.forward_order), dist.get_world_size(self.groups.replicas))
         gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
         return TuningSession(autotuner(self.config.tuning, start, gradient_bytes), self.groups, self.transport,
-                             self.config.timeout_s)
+                             self.config.timeout_s, "Strategy(autotune=True)")
 
     def _tuning_switch_point(self, iteration: int) -> tuple[int, ...] | None:
         """[Note: auto-tuning] The setting rank 0 decided, laid out and planned on every rank.

@@ -40,10 +40,11 @@ class TuningSession:
         groups: ProcessGroups,
         transport: Transport,
         timeout_s: float,
+        decider: str,
     ):
         """``make_controller``: rank 0's decider, made at the first switch point (see `autotuner` and
-        `confirmation`)."""
-        self._make_controller = make_controller
+        `confirmation`); ``decider``: what it is, for errors."""
+        self._make_controller, self._decider = make_controller, decider
         self._groups, self._transport, self._timeout_s = groups, transport, timeout_s
         self._controller: TuningController | None = None
         """Rank 0's decider, made at the first switch point."""
@@ -65,7 +66,7 @@ class TuningSession:
         control = self._groups.control
         decision = self._decide(iteration, in_use) if dist.get_rank(control) == 0 else None
         with failures_explained(self._transport):
-            decision = agree_on_decision(decision, control, self._timeout_s)
+            decision = agree_on_decision(decision, control, self._timeout_s, self._decider)
         self.log.apply(iteration, decision)
         return decision.setting
 

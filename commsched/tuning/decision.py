@@ -61,8 +61,9 @@ class Decision:
                    int(values[8]), as_none(values[9]), as_none(values[10]), as_none(values[11]), as_none(values[12]))
 
 
-def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeout_s: float) -> Decision:
-    """Rank 0's auto-tuning `Decision` on every rank (``decision``: rank 0's, None elsewhere).
+def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeout_s: float, decider: str) -> Decision:
+    """Rank 0's `Decision` on every rank (``decision``: rank 0's, None elsewhere); ``decider``
+    names who decides, for errors ("the auto-tuner").
 
     Collective over ``group`` (the control group), at a switch point every rank
     knows; see [Note: auto-tuning].
@@ -72,5 +73,6 @@ def agree_on_decision(decision: Decision | None, group: dist.ProcessGroup, timeo
         message = torch.tensor(decision.encode(), dtype=torch.float64)
     if dist.get_world_size(group) > 1:
         work = dist.broadcast(message, group=group, group_src=0, async_op=True)
-        wait_or_raise(work, timeout_s, "the broadcast of rank 0's auto-tuning decision")
+        wait_or_raise(work, timeout_s, f"the broadcast of rank 0's decision at a switch point ({decider}), "
+                                       "which every rank reaches at the same synchronised backward pass")
     return decision if decision is not None else Decision.decode(message.tolist())

@@ -205,6 +205,8 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.L
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 if backend == "ps":
     strategy = commsched.Strategy(backend=commsched.ParameterServer(num_servers=1), timeout_s=3.0)
+elif backend == "sharded":
+    strategy = commsched.Strategy(backend=commsched.AllReduce(shard_optimizer=True), timeout_s=3.0)
 elif backend == "two_step":  # every partition all-reduced in two all-to-alls
     strategy = commsched.Strategy(backend=commsched.AllReduce(all_to_all_mb=1024), timeout_s=3.0)
 else:
@@ -221,8 +223,12 @@ try:
                     raise ValueError("the victim's own error")
                 except ValueError:
                     sys.exit(1)
-            os.kill(os.getpid(), signum)
+            if backend != "sharded":
+                os.kill(os.getpid(), signum)
         F.mse_loss(model(torch.randn(8, 32, generator=generator)), torch.zeros(8, 4)).backward()
+        if iteration == at and rank == victim and backend == "sharded":
+            optimizer.synchronize()  # its reductions are done: the others wait in the all-gathers
+            os.kill(os.getpid(), signum)
         optimizer.step()
         optimizer.zero_grad()
 except commsched.CommunicationTimeout as error:
@@ -245,8 +251,8 @@ def _read_lines(process: subprocess.Popen, lines: list[str]) -> None:
 def survivors_after_a_failure(victim: int, signum: int, at: int, backend: str, ending: str, world_size: int = 3,
                               logs: list[str] | None = None):
     """Run the job; ``victim`` signals itself (signal 0: raises an exception; -1: raises one, catches it and
-    calls ``sys.exit(1)``) as iteration ``at``
-    starts. Per survivor: (message, seconds from its error to its exit, or None if it had not exited
+    calls ``sys.exit(1)``) as iteration ``at`` starts (with ``backend="sharded"``, once that iteration's
+    reductions are done). Per survivor: (message, seconds from its error to its exit, or None if it had not exited
     ``EXIT_WITHIN_S`` + 10 s after it, return code, log). ``logs``: filled with every rank's log."""
     # The job's store lives here, as torchrun's agent hosts it, so that it outlives every rank.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -335,6 +341,14 @@ def test_survivors_of_a_peer_killed_amid_two_step_all_reduces_exit_promptly():
     """As above, with every partition all-reduced in two steps: a second step issued from a
     completion, on its own group, must not keep a survivor from its error or its exit."""
     results = survivors_after_a_failure(1, signal.SIGKILL, KILL_AT, "two_step", "destroy")
+    _check_prompt_exits(results, 3, "Rank 1 stopped responding")
+
+
+def test_survivors_of_a_peer_killed_amid_sharded_all_gathers_name_it():
+    """Sharded optimizer state: rank 1 dies once its reductions are done, so the survivors wait in
+    the all-gathers of updated parameters (resharding's take the same path), which named no rank
+    ("Another rank probably died")."""
+    results = survivors_after_a_failure(1, signal.SIGKILL, KILL_AT, "sharded", "destroy")
     _check_prompt_exits(results, 3, "Rank 1 stopped responding")
 
 

@@ -860,3 +860,34 @@ def test_a_rank_leaving_an_iteration_unstepped_that_the_others_stepped_is_refuse
                                   "optimizer.step() never followed, while the ranks still training stepped"), messages
     assert "Step after every synchronised backward pass inside Join" in messages[1], messages
     assert messages[0].startswith("CommunicationTimeout: rank 0:") and "Rank 1 " in messages[0], messages
+
+
+def state_dict_on_rank_0_only(rank: int, world_size: int) -> str:
+    """Sharded state: only rank 0 calls ``optimizer.state_dict()`` (collective), rank 1 trains on."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01), sharded(timeout_s=4))
+    generator = torch.Generator().manual_seed(rank)
+    try:
+        for index in range(8):
+            F.mse_loss(model(torch.randn(4, 8, generator=generator)), torch.zeros(4, 4)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if index == WARMUP_ITERATIONS + 2 and rank == 0:
+                optimizer.state_dict()
+    except commsched.CommunicationTimeout as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_state_dict_on_one_rank_only_is_named_on_every_rank(ranks):
+    """Rank 0 waits in the state dict's collective, rank 1 at its next collective (with
+    ``autotune=False``, it was called "the broadcast of rank 0's auto-tuning decision", and blamed
+    on rank 0 having stopped): each says what it waited for, and rank 1 quotes what rank 0 waited
+    for, which names the fix."""
+    messages = ranks(state_dict_on_rank_0_only, 2, timeout_s=120)
+    state_dict_wait = ("the all-reduce of which parameters have optimizer state (sharded optimizer state; every "
+                       "rank must take part: optimizer.state_dict() and commsched.release() are collective)")
+    assert messages[0].startswith(f"rank 0: {state_dict_wait}"), messages
+    assert "auto-tuning" not in messages[1], messages
+    assert f"Rank 0 had waited for {state_dict_wait}." in messages[1], messages
