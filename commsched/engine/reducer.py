@@ -548,6 +548,13 @@ class GradientReducer:
 
         return after_step
 
+    def decline_optimizer(self, reason: str) -> None:
+        """An optimizer this model would adopt steps other models' parameters too: it is not
+        adopted, and it steps as torch.optim does, once every gradient is averaged (``reason``:
+        why forward overlap is off)."""
+        self.awaiting_optimizer = False
+        self._block_overlap(reason)
+
     def _stop_awaiting_optimizer(self) -> None:
         """Warm-up ends without an adopted optimizer: train as prepared without one."""
         self.awaiting_optimizer = False

@@ -127,6 +127,24 @@ def _adopted(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+SEVERAL_MODELS_REASON = (
+    "one optimizer steps this model's parameters and other models' (several commsched.DistributedDataParallel "
+    "wrappers, one optimizer), so it steps as torch.optim does once backward() has averaged every gradient; "
+    "for forward overlap, wrap one module that holds them all (torch.nn.ModuleDict) and build the optimizer "
+    "from its parameters"
+)
+"""[Note: one optimizer over several models] A model awaiting an optimizer (the drop-in wrapper) adopts
+one over exactly its trainable parameters. One over all of them and more (an encoder and a decoder each
+wrapped, one optimizer), as torch DDP allows, is not adopted: the model trains as without an optimizer of
+its own, forward overlap off, and the optimizer steps on averaged gradients, exactly."""
+
+
+def _steps_all_of(optimizer: torch.optim.Optimizer, reducer: GradientReducer) -> bool:
+    """Whether ``optimizer`` steps every trainable parameter of ``reducer``'s model, and others too."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return len(stepped) > len(reducer.params) and all(id(p) in stepped for p in reducer.params)
+
+
 def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer) -> None:
     if reducer.lifecycle is Lifecycle.RELEASED:
         return
@@ -134,6 +152,10 @@ def _check(optimizer: torch.optim.Optimizer, name: str, reducer: GradientReducer
            f"commsched.prepare(), is stepping parameter '{name}' of a prepared model")
     one_optimizer = ("Put every parameter in the one optimizer given to prepare() (param groups may set "
                      "their own lr, weight_decay, momentum or betas)")
+    if reducer in _adopters and _steps_all_of(optimizer, reducer):
+        # [Note: one optimizer over several models] (torch DDP's wrappers allow it).
+        del _adopters[reducer]
+        reducer.decline_optimizer(SEVERAL_MODELS_REASON)
     if reducer in _adopters:
         one_optimizer = ("commsched.DistributedDataParallel adopts one optimizer over every trainable parameter "
                          "of the model (param groups may set their own lr, weight_decay, momentum or betas): "

@@ -272,6 +272,29 @@ def case_optimizer_over_some_parameters(rank):
     commsched.release(model.module)
 
 
+def case_one_optimizer_over_two_wrapped_models(rank):
+    """An encoder and a head, each wrapped, one optimizer over both (torch DDP allows it): trained
+    exactly as torch DDP trains them, forward overlap off with the reason (it was refused, saying
+    the optimizer "was not passed to commsched.prepare()", which the script never called)."""
+    results = []
+    for wrap in (TorchDDP, commsched.DistributedDataParallel):
+        torch.manual_seed(0)
+        encoder, head = wrap(nn.Sequential(nn.Linear(8, 16), nn.Tanh())), wrap(nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2, weight_decay=0.1)
+        generator = torch.Generator().manual_seed(100 + rank)
+        for _ in range(STEPS):
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+            F.mse_loss(head(encoder(x)), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append({**encoder.module.state_dict(), **{f"head.{k}": v for k, v in head.module.state_dict().items()}})
+        if wrap is not TorchDDP:
+            for model in (encoder, head):
+                assert "several commsched.DistributedDataParallel" in commsched.status(model).overlap_off_reason
+                commsched.release(model.module)
+    assert_same_state(results[1], results[0])
+
+
 def ddp_idioms(rank: int, world_size: int) -> None:
     run_subtests({
         "require_backward_grad_sync and .module after prepare()": lambda: case_require_backward_grad_sync(rank),
@@ -281,6 +304,7 @@ def ddp_idioms(rank: int, world_size: int) -> None:
         "a model with its own 'module'": lambda: case_model_with_its_own_module(rank),
         "an optimizer over some parameters": lambda: case_optimizer_over_some_parameters(rank),
         "unwrapping ends at the model": lambda: case_unwrapping_ends(rank),
+        "one optimizer over two wrapped models": lambda: case_one_optimizer_over_two_wrapped_models(rank),
     })
 
 
