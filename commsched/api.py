@@ -44,7 +44,6 @@ from commsched.ps.roles import is_server_rank
 from commsched.ps.server import ParameterServer
 from commsched.status import Status, reducer_status
 from commsched.strategy import Strategy
-from commsched.update.kinds import USER_CLASS_ATTRIBUTE
 from commsched.update.local import LocalUpdate
 from commsched.update.sharded import ShardedUpdate, sharding_refusal
 

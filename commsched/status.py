@@ -34,6 +34,9 @@ class BucketStatus:
     """The dtype it is summed in across ranks: its own, or `commsched.Strategy.reduce_dtype`'s."""
     wire_nbytes: int = 0
     """Bytes it puts on the wire per all-reduce (``nbytes`` unless summed in another dtype)."""
+    averaged: tuple[int, int] | None = None
+    """Where it is reduce-scattered: the elements of its gradients that hold the average on this
+    rank once reduced (None: all-reduced, every element)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class Status:
     """With ``AllReduce(shard_optimizer=True, reduce_scatter=True)``: why gradients stay all-reduced
     whole (warm-up saw the loop need them whole); None where they are reduce-scattered, or will be
     after warm-up, or where the strategy does not ask for it."""
+    two_step_max_bytes: int | None = None
+    """Partitions of at most this many bytes are all-reduced in two all-to-alls (0: none, after
+    the timing at the end of warm-up found the ring faster); None where two steps never apply."""
     process_groups: ProcessGroups | None = None
     """The groups the model communicates on (replicas, buffer broadcasts, control messages); None
     once released. The buffer and control groups are commsched's side groups where it needs them."""
@@ -175,9 +181,11 @@ def reducer_status(reducer: GradientReducer) -> Status:
         counts = [0] * len(layout.buckets)
         for partition in layout.partitions:
             counts[partition.bucket] += 1
+        scatter = reducer.transport.scatter
         buckets = tuple(
             BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, _dtype_name(b.dtype),
-                         priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes)
+                         priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes,
+                         None if scatter is None or b.index not in scatter.scattered else scatter.averaged_range(b))
             for b, slots, priority, count in zip(layout.buckets, layout.bucket_slots, layout.priorities, counts,
                                                  strict=True)
         )
@@ -215,6 +223,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         bucket_cap_mb=layout_in_use.bucket_cap_mb,
         first_bucket_mb=layout_in_use.first_bucket_mb,
         sharding=reducer.policy.sharding(),
+        two_step_max_bytes=transport.two_step_max_bytes,
         process_groups=None if groups.replicas is None else replace(groups),
     )
 

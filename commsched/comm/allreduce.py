@@ -17,11 +17,11 @@ import torch.distributed as dist
 from commsched.comm import reduce_scatter, two_step
 from commsched.comm.heartbeat import Heartbeat
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
+from commsched.comm.reduce_scatter import BucketScattering
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
-from commsched.strategy import MIB
 
 logger = logging.getLogger("commsched")
 
@@ -122,33 +122,22 @@ class AllReduceTransport:
                  reduce_scatter: bool = False, exchange_group: dist.ProcessGroup | None = None,
                  all_to_all_mb: float | str | None = None):
         """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
-        `commsched.AllReduce.reduce_scatter` (from `start_scattering` on); ``exchange_group``: where
+        `commsched.AllReduce.reduce_scatter` (from ``scatter.start()`` on); ``exchange_group``: where
         the second steps of two-step all-reduces go, for `commsched.AllReduce.all_to_all_mb`
-        (None: never in two steps; see `two_steps_to_time`)."""
+        (None: never in two steps; see ``two_steps``)."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.is_local = self.world_size == 1
-        self.chunk_padding = self.world_size if reduce_scatter and not self.is_local else 1
-        """Buckets but the first in forward order are padded to a multiple of this many elements,
-        from the start, so that scattering needs no new layout of its own (one element per rank at most)."""
-        self.scattering = False
-        """Buckets laid out from now on are reduce-scattered (see `start_scattering`)."""
-        self.scattered: frozenset[int] = frozenset()
-        """The buckets of the current layout that are reduce-scattered."""
+        self.scatter = BucketScattering(self.rank, self.world_size) if reduce_scatter and not self.is_local else None
+        """Set with ``reduce_scatter``: buckets laid out after its ``start()`` are reduce-scattered."""
         self._backend_name = str(dist.get_backend(process_group))
-        self._second_steps = None if exchange_group is None else two_step.SecondSteps.of_group(exchange_group)
+        self._two_steps = None if exchange_group is None or not all_to_all_mb else two_step.TwoStepRule(
+            two_step.SecondSteps.of_group(exchange_group), all_to_all_mb)
         """Set where partitions may go in two steps (see [Note: an all-reduce in two steps])."""
-        self._first_bucket_only = all_to_all_mb == "auto"
-        """Only the bucket the next forward pass needs first goes in two steps ("auto")."""
+        self.two_steps = self._two_steps if self._two_steps is not None and self._two_steps.first_bucket_only else None
         self._first_bucket = -1
-        self.two_step_max_bytes = 0
-        """Partitions of at most this many bytes go in two steps, now (0: none)."""
-        self._two_steps_why = ""
-        if self._second_steps is not None and not self._first_bucket_only and all_to_all_mb:
-            self.two_step_max_bytes = int(float(all_to_all_mb) * MIB)
-            self._two_steps_why = f"partitions up to {float(all_to_all_mb):.3g} MiB in two all-to-alls"
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
@@ -157,40 +146,13 @@ class AllReduceTransport:
             for bucket in buckets:
                 bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
         self._first_bucket = first_needed(bucket_set.priorities)
-        self.scattered = (reduce_scatter.scattered_buckets(bucket_set.priorities, self.world_size)
-                          if self.scattering else frozenset())
-        if self.scattered:
-            return reduce_scatter.cut_partitions(bucket_set, partition_bytes, self.scattered, self.world_size)
+        scattered = frozenset() if self.scatter is None else self.scatter.attach(bucket_set.priorities)
+        if scattered:
+            return reduce_scatter.cut_partitions(bucket_set, partition_bytes, scattered, self.world_size)
         return make_partitions(
             [b.wire.numel() for b in buckets], [b.wire.element_size() for b in buckets],
             bucket_set.priorities, None if self.is_local else partition_bytes,  # one replica: nothing on the wire
         )
-
-    def start_scattering(self) -> bool:
-        """Reduce-scatter the buckets of every layout from the next on (see [Note: reduce-scattered
-        buckets]), if the strategy asks for it and there are replicas; True if so."""
-        self.scattering = self.chunk_padding > 1
-        return self.scattering
-
-    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
-        """The elements of ``bucket``'s gradients that hold the average on this rank once reduced."""
-        if bucket.index in self.scattered:
-            return reduce_scatter.averaged_range(bucket, self.rank, self.world_size)
-        return 0, bucket.grad_numel
-
-    @property
-    def two_steps_to_time(self) -> two_step.SecondSteps | None:
-        """With ``all_to_all_mb="auto"``, where two steps may go: warm-up times the first bucket's
-        all-reduce both ways, then `use_two_steps`."""
-        return self._second_steps if self._first_bucket_only else None
-
-    def use_two_steps(self, max_bytes: int, why: str) -> None:
-        """From now on, all-reduce the first bucket's partitions of at most ``max_bytes`` in two
-        steps (0: none); ``why``, for `describe`. The same on every rank."""
-        if self.two_steps_to_time is not None:
-            self.two_step_max_bytes = max_bytes
-            way = "in two all-to-alls" if max_bytes else "by gloo's ring"
-            self._two_steps_why = f"the first bucket {way}: {why}"
 
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size > 1:
@@ -203,14 +165,14 @@ class AllReduceTransport:
     def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
         if self.is_local:
             return COMPLETED
-        if bucket.index in self.scattered:
+        if self.scatter is not None and bucket.index in self.scatter.scattered:
             scatter = reduce_scatter.Scatter(bucket, partition, self.rank, self.world_size, self.process_group,
                                              by_all_to_all=self._backend_name == "gloo")
             return _ScatterHandle(scatter, bucket, partition, self)
         wire = bucket.wire[partition.start:partition.end]
-        if (partition.nbytes <= self.two_step_max_bytes
-                and (bucket.index == self._first_bucket or not self._first_bucket_only)):
-            reduction = two_step.TwoStepAllReduce(wire, self.process_group, self._second_steps,
+        rule = self._two_steps
+        if rule is not None and rule.applies(partition.nbytes, bucket.index, self._first_bucket):
+            reduction = two_step.TwoStepAllReduce(wire, self.process_group, rule.second_steps,
                                                   _all_reduce_what(bucket, partition))
             return _TwoStepHandle(reduction, bucket, partition, self)
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
@@ -228,9 +190,10 @@ class AllReduceTransport:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         summed = self.reduce_dtype is not None and not self.is_local
         reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
-        scattered = ", reduce-scatter of every bucket but the first" if self.scattering else ""
-        two_steps = f"; {self._two_steps_why}" if self._two_steps_why else ""
-        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{two_steps})")
+        scattered = ", reduce-scatter of every bucket but the first" if self.scatter and self.scatter.active else ""
+        two_steps = f"; {self._two_steps.why}" if self._two_steps is not None and self._two_steps.why else ""
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{two_steps})",
+                               two_step_max_bytes=None if self._two_steps is None else self._two_steps.max_bytes)
 
     def finish(self) -> None:
         if self._heartbeat is not None:
@@ -238,5 +201,4 @@ class AllReduceTransport:
 
     def forget_process_groups(self) -> None:
         self.process_group = None  # type: ignore[assignment]
-        self._second_steps = None
-        self.two_step_max_bytes = 0
+        self._two_steps = self.two_steps = None

@@ -42,6 +42,34 @@ from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
 
 
+class BucketScattering:
+    """The all-reduce transport's reduce-scatter (its `commsched.comm.transport.Scattering`): which
+    buckets of the layout in use are scattered, and what each rank holds averaged afterwards."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.chunk_padding = world_size
+        """Buckets but the first in forward order are padded to a multiple of this many elements,
+        from the start, so that scattering needs no new layout of its own (one element per rank at most)."""
+        self.active = False
+        """Buckets laid out from now on are reduce-scattered (see `start`)."""
+        self.scattered: frozenset[int] = frozenset()
+        """The buckets of the current layout that are reduce-scattered."""
+
+    def start(self) -> None:
+        self.active = True
+
+    def attach(self, priorities: Sequence[int]) -> frozenset[int]:
+        """A new layout: the buckets it scatters (none before `start`)."""
+        self.scattered = scattered_buckets(priorities, self.world_size) if self.active else frozenset()
+        return self.scattered
+
+    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
+        if bucket.index in self.scattered:
+            return averaged_range(bucket, self.rank, self.world_size)
+        return 0, bucket.grad_numel
+
+
 def scattered_buckets(priorities: Sequence[int], world_size: int) -> frozenset[int]:
     """The buckets to reduce-scatter: all but the one the forward pass needs first (priority 0)."""
     if world_size < 2 or len(priorities) < 2:

@@ -58,6 +58,37 @@ class TransportStatus:
     """Where each partition goes, for the trace (None: nothing beyond the description)."""
     server_bytes: tuple[int, ...] = ()
     """Bytes of partitions each server holds (empty without servers)."""
+    two_step_max_bytes: int | None = None
+    """Partitions of at most this many bytes go in two all-to-alls (None: two steps never apply)."""
+
+
+class Scattering(Protocol):
+    """A transport's reduce-scatter of gradient buckets (an optional capability: `Transport.scatter`)."""
+
+    chunk_padding: int
+    """Every bucket but the flags bucket is padded to a multiple of this many elements, from the
+    first layout on, so that scattering needs no layout of its own."""
+
+    active: bool
+    """True once buckets are reduce-scattered: each rank then holds the average of its own chunk
+    of them only (`averaged_range`)."""
+
+    def start(self) -> None:
+        """From the next layout on, reduce-scatter the buckets (every rank alike)."""
+
+    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The elements of ``bucket``'s gradients that hold the average on this rank once reduced."""
+
+
+class TwoStepTiming(Protocol):
+    """Where the first bucket may go in two all-to-alls if they time faster (`Transport.two_steps`)."""
+
+    second_steps: SecondSteps
+    """Where the second steps are issued, for the timing."""
+
+    def use(self, max_bytes: int, why: str) -> None:
+        """From now on, all-reduce the first bucket's partitions of at most ``max_bytes`` in two
+        steps (0: none); ``why`` says what the timing found. The same on every rank."""
 
 
 class Transport(Protocol):
@@ -78,27 +109,14 @@ class Transport(Protocol):
     "has a gradient" flags can ride in the tail of the flags bucket
     (see [Note: unused parameters] in `commsched.engine.backward_pass`)."""
 
-    chunk_padding: int
-    """Every bucket but the flags bucket is padded to a multiple of this many elements (1: not
-    padded); see [Note: reduce-scattered buckets] in `commsched.comm.reduce_scatter`."""
+    scatter: Scattering | None
+    """Where buckets may be reduce-scattered (``AllReduce(reduce_scatter=True)`` among replicas):
+    how; None where they never are (see [Note: reduce-scattered buckets] in
+    `commsched.comm.reduce_scatter`)."""
 
-    scattering: bool
-    """True once buckets are reduce-scattered: each rank then holds the average of its own
-    chunk of them only (`averaged_range`)."""
-
-    two_steps_to_time: SecondSteps | None
-    """Set where the first bucket may be all-reduced in two all-to-alls if they time faster at the
+    two_steps: TwoStepTiming | None
+    """Where the first bucket may be all-reduced in two all-to-alls if they time faster at the
     end of warm-up (see [Note: an all-reduce in two steps] in `commsched.comm.two_step`)."""
-
-    def use_two_steps(self, max_bytes: int, why: str) -> None:
-        """From now on, all-reduce the first bucket's partitions of at most ``max_bytes`` in two
-        steps (where ``two_steps_to_time``); ``why`` says what the timing found."""
-
-    def start_scattering(self) -> bool:
-        """From the next layout on, reduce-scatter the buckets if the strategy asks for it; True if so."""
-
-    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
-        """The elements of ``bucket``'s gradients that hold the average on this rank once reduced."""
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         """The buckets exist: cut them into partitions (the units on the wire) of about

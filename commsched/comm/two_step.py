@@ -52,6 +52,29 @@ import torch.distributed as dist
 from commsched.errors import communication_timeout, wait_or_raise
 
 
+class TwoStepRule:
+    """Which partitions the all-reduce transport sends in two steps; where the first bucket's are
+    to be timed first (``AllReduce(all_to_all_mb="auto")``), also its `commsched.comm.transport.TwoStepTiming`."""
+
+    def __init__(self, second_steps: SecondSteps, all_to_all_mb: float | str):
+        self.second_steps = second_steps
+        self.first_bucket_only = all_to_all_mb == "auto"
+        """Only the bucket the next forward pass needs first goes in two steps ("auto")."""
+        self.max_bytes = 0 if self.first_bucket_only else int(float(all_to_all_mb) * 2**20)
+        """Partitions of at most this many bytes go in two steps, now (0: none)."""
+        self.why = "" if self.first_bucket_only else f"partitions up to {float(all_to_all_mb):.3g} MiB in two all-to-alls"
+
+    def use(self, max_bytes: int, why: str) -> None:
+        self.max_bytes = max_bytes
+        way = "in two all-to-alls" if max_bytes else "by gloo's ring"
+        self.why = f"the first bucket {way}: {why}"
+
+    def applies(self, nbytes: int, bucket: int, first_bucket: int) -> bool:
+        """Whether a partition of ``nbytes`` of ``bucket`` goes in two steps (``first_bucket``: the
+        one the forward pass needs first)."""
+        return nbytes <= self.max_bytes and (bucket == first_bucket or not self.first_bucket_only)
+
+
 def two_steps_possible(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether gradients on ``device`` may be all-reduced in two steps on ``group``: gloo's ring,
     among 3 or more ranks (among 2, a ring takes two steps anyway), with tensors in host memory."""

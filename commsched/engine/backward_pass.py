@@ -437,16 +437,22 @@ class BackwardPass:
         return [layout.names[slot] for slot, view in enumerate(layout.views)
                 if (part := self._averaged_part(slot, view)) is not None and not torch.isfinite(part).all()]
 
+    @property
+    def _scattering(self) -> bool:
+        """Whether buckets are reduce-scattered (see [Note: reduce-scattered buckets])."""
+        scatter = self._transport.scatter
+        return scatter is not None and scatter.active
+
     def gradients_left_scattered(self) -> bool:
         """Whether this pass's reduce-scattered gradients are still ``param.grad``, not cleared since
         (see [Note: reduce-scattered buckets]): a backward pass now would add to NaN. Read from one
         element of another rank's chunk per bucket, and only where ``optimizer.zero_grad()`` did not
         run (a gradient set to None, or zeroed in place, is not left)."""
-        if self.grads_cleared or not self._transport.scattering:
+        if self.grads_cleared or not self._scattering:
             return False
         layout, probes = self._layout, []
         for index, bucket in enumerate(layout.buckets):
-            low, high = self._transport.averaged_range(bucket)
+            low, high = self._transport.scatter.averaged_range(bucket)
             if (low, high) == (0, bucket.grad_numel):
                 continue  # all-reduced
             element = 0 if low > 0 else high
@@ -462,12 +468,12 @@ class BackwardPass:
         the part of it that holds the average on this rank, None if none does (see [Note:
         reduce-scattered buckets])."""
         layout = self._layout
-        if grad is not layout.views[slot] or not self._transport.scattering:
+        if grad is not layout.views[slot] or not self._scattering:
             return grad
         index = layout.bucket_of[slot]
         bucket = layout.buckets[index]
         offset = bucket.offsets[layout.bucket_slots[index].index(slot)]
-        low, high = self._transport.averaged_range(bucket)
+        low, high = self._transport.scatter.averaged_range(bucket)
         low, high = max(low, offset), min(high, offset + grad.numel())
         return bucket.flat[low:high] if low < high else None
 

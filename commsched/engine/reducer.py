@@ -191,7 +191,8 @@ class GradientReducer:
         layout = build_layout(
             self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
             lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
-            verdict_slots=transport.world_size if config.check_finite else 0, chunk_padding=transport.chunk_padding,
+            verdict_slots=transport.world_size if config.check_finite else 0,
+            chunk_padding=1 if transport.scatter is None else transport.scatter.chunk_padding,
         )
         self.layout = layout
         self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), config.credit_bytes)
@@ -204,7 +205,7 @@ class GradientReducer:
     def reduce_scatter_off_reason(self) -> str | None:
         """Why gradients stay all-reduced though the strategy asks for a reduce-scatter (see
         `_start_scattering`); None otherwise."""
-        if self.transport.chunk_padding == 1 or self.lifecycle is Lifecycle.WARMUP:
+        if self.transport.scatter is None or self.lifecycle is Lifecycle.WARMUP:
             return None
         return self._whole_gradients_needed
 
@@ -267,7 +268,8 @@ class GradientReducer:
         """At the end of warm-up: reduce-scatter from the next layout on, unless some rank's loop was
         seen needing the whole averaged gradients; True if the buckets must be laid out anew for it.
         Every rank decides alike (one all-reduce): the collectives of the two differ."""
-        if self.transport.chunk_padding == 1:
+        scatter = self.transport.scatter
+        if scatter is None:
             return False
         needed_somewhere = on_any_rank(self._whole_gradients_needed is not None, self.groups.control,
                                        self.config.timeout_s, "the agreement on reduce-scattering gradients")
@@ -277,7 +279,8 @@ class GradientReducer:
             logger.warning("commsched: gradients stay all-reduced whole (reduce_scatter=True is off): %s",
                            self._whole_gradients_needed)
             return False
-        return self.transport.start_scattering()
+        scatter.start()
+        return True
 
     def _agree_on_plan(self) -> Plan:
         """Rank 0's plan for the layout in use, from the warm-up's timeline (collective); without forward
@@ -676,7 +679,7 @@ class GradientReducer:
         reason = GRAD_SCALER_REASON if scaled else GRADIENTS_CHANGED_REASON if changed else None
         if reason is None:
             return
-        if self.transport.scattering:
+        if self.transport.scatter is not None and self.transport.scatter.active:
             raise whole_gradients_needed_error(
                 "a torch.amp.GradScaler stepped this optimizer" if scaled else
                 "gradients were changed between backward() and step() (clip_grad_norm_, GradScaler.unscale_, ...)")

@@ -145,11 +145,13 @@ class Warmup:
     def _calibrate(self, layout: GradLayout) -> Calibration:
         """Time the link (collective); where the first bucket may go in two steps, from now on it
         does if they timed faster (see [Note: an all-reduce in two steps])."""
+        two_steps = self._transport.two_steps
         calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s, self._config.adaptive,
-                                self._transport.two_steps_to_time, int(self._config.layout.first_bucket_mb * MIB))
+                                None if two_steps is None else two_steps.second_steps,
+                                int(self._config.layout.first_bucket_mb * MIB))
         timing = calibration.two_step
-        if timing is not None:
-            self._transport.use_two_steps(timing.nbytes if timing.pays else 0, timing.describe())
+        if timing is not None and two_steps is not None:
+            two_steps.use(timing.nbytes if timing.pays else 0, timing.describe())
         return calibration
 
     def finish(self, layout: GradLayout) -> WarmupResult:

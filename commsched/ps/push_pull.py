@@ -91,9 +91,8 @@ class ParameterServerTransport:
 
     is_local = False
     sums_usage_flags = False
-    chunk_padding = 1
-    scattering = False
-    two_steps_to_time = None
+    scatter = None
+    two_steps = None
     join_refusal = (
         "Join (uneven inputs) is not supported with Strategy(backend=ParameterServer(...)): in sync mode "
         "the servers wait for every worker's gradients. Give every worker the same number of batches "
@@ -161,16 +160,6 @@ class ParameterServerTransport:
         if self.roles.rank == self.roles.workers[0]:
             logger.info("commsched: parameter-server sharding: %s", self.plan.summary(self.roles.servers))
         return list(self.plan.blocks)
-
-    def start_scattering(self) -> bool:
-        """Servers receive whole blocks: nothing is reduce-scattered."""
-        return False
-
-    def averaged_range(self, bucket: Bucket) -> tuple[int, int]:
-        return 0, bucket.grad_numel
-
-    def use_two_steps(self, max_bytes: int, why: str) -> None:
-        """Blocks go to their servers: no all-reduce to take in two steps."""
 
     def describe(self) -> TransportStatus:
         servers = len(self.roles.servers)

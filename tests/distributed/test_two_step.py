@@ -136,14 +136,14 @@ def case_auto_agrees_on_every_rank(rank, world_size):
     takes rank 0's verdict, and training is exact whichever it is. Without priority there is no
     warm-up profile, so the ring stays."""
     model = case_matches_single_process(rank, world_size, "adamw", commsched.Strategy(), True)
-    transport = model._commsched_reducer.transport
-    assert transport.two_steps_to_time is not None
-    assert_same_on_all_ranks(transport.two_step_max_bytes, "the size limit of two-step all-reduces")
+    limit = commsched.status(model).two_step_max_bytes
+    assert limit is not None
+    assert_same_on_all_ranks(limit, "the size limit of two-step all-reduces")
     assert "the first bucket" in commsched.status(model).transport, commsched.status(model).transport
     commsched.release(model)
     with counted_two_steps() as count:
         model = case_matches_single_process(rank, world_size, "adamw", commsched.Strategy(priority=False), True)
-    assert count[0] == 0 and model._commsched_reducer.transport.two_step_max_bytes == 0
+    assert count[0] == 0 and commsched.status(model).two_step_max_bytes == 0
     commsched.release(model)
 
 
@@ -239,10 +239,9 @@ def ring_between_two_ranks(rank: int, world_size: int) -> None:
     """Between 2 ranks a ring takes two steps anyway: no exchange group, gloo's all-reduce throughout."""
     with counted_two_steps() as count:
         model = case_matches_single_process(rank, world_size, "adam", STRATEGIES["small_buckets"], True)
-    reducer = model._commsched_reducer
-    transport = reducer.transport
-    assert count[0] == 0 and transport.two_steps_to_time is None and transport.two_step_max_bytes == 0
-    assert reducer.groups.exchange is None
+    status = commsched.status(model)
+    assert count[0] == 0 and status.two_step_max_bytes is None
+    assert status.process_groups.exchange is None
     assert "two all-to-alls" not in commsched.status(model).transport
     commsched.release(model)
 
