@@ -222,7 +222,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         tuning=_tuning(reducer),
         bucket_cap_mb=layout_in_use.bucket_cap_mb,
         first_bucket_mb=layout_in_use.first_bucket_mb,
-        sharding=reducer.policy.sharding(),
+        sharding=None if reducer.policy.sharded is None else reducer.policy.sharded.status(),
         two_step_max_bytes=transport.two_step_max_bytes,
         process_groups=None if groups.replicas is None else replace(groups),
     )

@@ -105,9 +105,14 @@ class BackwardPass:
         """Per bucket: its update ran (what it started may still be in flight)."""
         self._finished = [False] * num_buckets
         """Per bucket: its update is done, and awaited (`UpdatePolicy.wait_updated`)."""
-        order = policy.update_order
+        sharded = policy.sharded
+        self._update_order = None if sharded is None else sharded.update_order
+        """The order updates must run in, on every rank (`ShardedState.update_order`, laid out before
+        a pass starts); None: any."""
+        self._local_updates = frozenset() if sharded is None else sharded.local_updates
+        order = self._update_order
         self._update_position = {} if order is None else {bucket: i for i, bucket in enumerate(order)}
-        """Each bucket's place in `UpdatePolicy.update_order` (the policy lays it out before a pass starts)."""
+        """Each bucket's place in `_update_order`."""
         self.outstanding = num_buckets
         """Buckets not yet finished (or marked done by a plain ``optimizer.step()``)."""
         self._unowned_slots: list[int] = []
@@ -224,7 +229,7 @@ class BackwardPass:
     # -------------------------------------------------------------- completion
     def complete_buckets(self, buckets: Sequence[int]) -> None:
         """Wait for these buckets' reductions; update those ``step()`` released."""
-        if self._policy.update_order is not None and self.hyperparameters is not None:
+        if self._update_order is not None and self.hyperparameters is not None:
             self._complete_in_order(buckets)
             return
         for bucket in buckets:
@@ -234,7 +239,7 @@ class BackwardPass:
 
     def complete_all(self) -> None:
         buckets = range(len(self._layout.buckets))
-        if self._policy.update_order is not None and self.hyperparameters is not None:
+        if self._update_order is not None and self.hyperparameters is not None:
             self._complete_in_order(buckets)
             return
         for bucket in buckets:
@@ -243,7 +248,7 @@ class BackwardPass:
 
     def _complete_in_order(self, buckets: Sequence[int]) -> None:
         """[Note: ordered updates] A policy whose updates start collectives (sharded state's
-        all-gathers) gets them in `UpdatePolicy.update_order` on every rank: the buckets
+        all-gathers) gets them in `ShardedState.update_order` on every rank: the buckets
         asked for and every bucket before them in that order are updated, then the next one
         if its reduction is already complete (its all-gather then overlaps the forward pass up
         to its gate); then the ones asked for are awaited.
@@ -254,12 +259,12 @@ class BackwardPass:
         an all-gather may start a few gates later than its reduction allowed, so it can end
         after its gate where the gates come close together; on the 22M MLP, where the link
         sets the pace, the iteration did not get slower (1.68 times `AllReduce()`, against 1.75)."""
-        order, position = self._policy.update_order, self._update_position
+        order, position = self._update_order, self._update_position
         wanted = [b for b in buckets if not self._updated[b]]
         last = max((position[b] for b in wanted), default=-1)
         for bucket in order[:last + 1]:
             if not self._updated[bucket]:
-                if bucket in self._policy.local_updates:
+                if bucket in self._local_updates:
                     self._update_ahead_of(bucket)
                 self._complete_bucket(bucket)
         ahead = UPDATES_AHEAD_PER_GATE
@@ -282,9 +287,9 @@ class BackwardPass:
 
     def _update_ahead_of(self, local: int) -> None:
         """[Note: updates ahead of a local bucket] Before waiting for the reduction of a bucket
-        whose update starts no collective (`UpdatePolicy.local_updates`: sharded state's bucket
+        whose update starts no collective (`ShardedState.local_updates`: sharded state's bucket
         kept whole, the one the forward pass needs first), update the buckets after it in
-        `UpdatePolicy.update_order` whose reductions complete meanwhile, in that order, so that
+        `ShardedState.update_order` whose reductions complete meanwhile, in that order, so that
         their all-gathers start. Traced (the emulated ResNet-50, 8 hosts at 1 Gbit/s, reduce-
         scatter), the first gate waited 15 ms for that bucket's all-reduce, a latency-bound 1 MiB
         that leaves the link half idle, while the next bucket's reduction had long been complete;
@@ -305,7 +310,7 @@ class BackwardPass:
             return
         if self._every_update_needs_flags():
             return
-        order, local_updates = self._policy.update_order or (), self._policy.local_updates
+        order, local_updates = self._update_order or (), self._local_updates
         after = order[self._update_position[local] + 1:]
         while not self._reduction_complete(local):
             following = next((b for b in after if not self._updated[b] and b not in local_updates), None)
@@ -323,8 +328,8 @@ class BackwardPass:
 
     def start_updates(self) -> None:
         """On a rank out of batches under ``Join`` (sharded state), once the others stepped: every
-        bucket's update starts now, in `UpdatePolicy.update_order`; the next `complete_all` awaits them."""
-        for bucket in self._policy.update_order or range(len(self._layout.buckets)):
+        bucket's update starts now, in `ShardedState.update_order`; the next `complete_all` awaits them."""
+        for bucket in self._update_order or range(len(self._layout.buckets)):
             if not self._updated[bucket]:
                 self._complete_bucket(bucket)
 
@@ -336,7 +341,7 @@ class BackwardPass:
                 self._policy.wait_updated(bucket)
                 finished = time.perf_counter()
                 self.figures.exposed_wait_s += finished - started
-                if self._policy.update_order is not None:
+                if self._update_order is not None:
                     self._events.update_waited(bucket, started, finished)
                 self._finished[bucket] = True
                 self.outstanding -= 1

@@ -149,7 +149,8 @@ class GradientReducer:
                                        config.broadcast_buffers and transport.world_size > 1)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
                                           transport.join_refusal or policy.join_refusal, config.overlap_requested)
-        self._joined_steps = JoinedSteps(policy.step_records, self.uneven_inputs)
+        self._joined_steps = JoinedSteps(None if policy.sharded is None else policy.sharded.step_records,
+                                         self.uneven_inputs)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current,
                                  self._finish_in_flight)
         if not config.priority:
@@ -598,7 +599,8 @@ class GradientReducer:
 
     def state_loaded(self) -> None:
         """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""
-        self.policy.push_parameters()
+        if self.policy.state_elsewhere is not None:
+            self.policy.state_elsewhere.push_parameters()
 
     def step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None = None) -> None:
         """Release this iteration's updates (all at once without overlap).

@@ -15,6 +15,7 @@ from commsched.engine.lifecycle import Lifecycle
 # At run time, not only for type checkers: frameworks read the annotations of the
 # classes commsched mixes in (transformers calls typing.get_type_hints on each model class).
 from commsched.engine.reducer import GradientReducer
+from commsched.update.base import ShardedState
 from commsched.update.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
 from commsched.update.kinds import user_class
 
@@ -40,17 +41,17 @@ class CommschedOptimizer:
         """With ``AllReduce(shard_optimizer=True)``: every rank writes its own part of the state
         with ``torch.distributed.checkpoint`` into ``checkpoint_id`` (a directory), nothing
         gathered. Collective: call it on every rank. ``state_dict()`` is the portable format."""
-        reducer = self._commsched_reducer
-        reducer.synchronize()
-        reducer.policy.save_sharded(checkpoint_id)
+        sharded = _sharded_state(self._commsched_reducer)
+        self._commsched_reducer.synchronize()
+        sharded.save(checkpoint_id)
 
     def load_sharded_state(self, checkpoint_id: str | os.PathLike) -> None:
         """Read what `save_sharded_state` wrote, each rank its own part, where the world size and
         the buckets are the same (else refused with the fix). Collective; before the first forward
         pass it happens when the buckets are laid out."""
-        reducer = self._commsched_reducer
-        reducer.synchronize()
-        reducer.policy.load_sharded(checkpoint_id)
+        sharded = _sharded_state(self._commsched_reducer)
+        self._commsched_reducer.synchronize()
+        sharded.load(checkpoint_id)
 
     def step(self, closure: Any = None) -> Any:
         """Release this iteration's update.
@@ -98,13 +99,15 @@ class CommschedOptimizer:
         try:
             return super().state_dict()  # type: ignore[misc]
         finally:
-            self._commsched_reducer.policy.drop_fetched_state()
+            self._commsched_drop_fetched_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch.optim does; with parameter servers, the state is sent to them too."""
         self.synchronize()
         super().load_state_dict(state_dict)  # type: ignore[misc]
-        self._commsched_reducer.policy.push_optimizer_state()
+        elsewhere = self._commsched_reducer.policy.state_elsewhere
+        if elsewhere is not None:
+            elsewhere.push_optimizer_state()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
         """A plain copy: the user's optimizer class, with its state and param groups, without commsched.
@@ -123,7 +126,7 @@ class CommschedOptimizer:
         try:
             plain.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         finally:
-            self._commsched_reducer.policy.drop_fetched_state()
+            self._commsched_drop_fetched_state()
         return plain
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
@@ -137,7 +140,7 @@ class CommschedOptimizer:
         cls = user_class(self)  # type: ignore[arg-type]
         fields = dict(self.__getstate__())
         fields["state"] = copy.copy(fields["state"])  # what was fetched leaves self.state below
-        self._commsched_reducer.policy.drop_fetched_state()
+        self._commsched_drop_fetched_state()
         # Not copyreg.__newobj__: pickle lets it rebuild only the pickled object's own (mixed) class.
         return (cls.__new__, (cls,), fields)
 
@@ -145,7 +148,25 @@ class CommschedOptimizer:
         """Pending updates done, and (with parameter servers) their state fetched into ``self.state``."""
         reducer = self._commsched_reducer
         reducer.synchronize()
-        reducer.policy.fetch_optimizer_state()
+        if reducer.policy.state_elsewhere is not None:
+            reducer.policy.state_elsewhere.fetch()
+
+    def _commsched_drop_fetched_state(self) -> None:
+        elsewhere = self._commsched_reducer.policy.state_elsewhere
+        if elsewhere is not None:
+            elsewhere.drop_fetched()
+
+
+NOT_SHARDED = (
+    "sharded checkpoints need Strategy(backend=AllReduce(shard_optimizer=True)); without it every rank holds "
+    "the whole optimizer state: save optimizer.state_dict() and load it with optimizer.load_state_dict()"
+)
+
+
+def _sharded_state(reducer: GradientReducer) -> ShardedState:
+    if reducer.policy.sharded is None:
+        raise ValueError(NOT_SHARDED)
+    return reducer.policy.sharded
 
 
 def keep_scheduler_counting_steps(optimizer: torch.optim.Optimizer) -> None:

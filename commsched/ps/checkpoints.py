@@ -1,7 +1,7 @@
 """A server's side of checkpoints: its blocks' optimizer state and values, to and from one worker.
 
 ``optimizer.state_dict()`` on a worker fetches every server's state
-(`commsched.ps.remote_update.ServerSideUpdate.fetch_optimizer_state`); loading
+(`commsched.ps.remote_update.ServerSideUpdate.fetch`); loading
 a checkpoint sends the state, or the parameters' values, back. The server
 answers each command here, between iterations, under its update lock.
 """

@@ -16,7 +16,7 @@ from commsched.ps.protocol import ACK_TAG, PARAMS_TAG, STATE_TAG, Command, state
 from commsched.ps.push_pull import ParameterServerTransport
 from commsched.ps.sharding import Segment
 from commsched.ps.state import STATE_TENSOR_KEYS, pack_block_state, unpack_block_state
-from commsched.update.base import Hyperparameters, UnshardedState
+from commsched.update.base import Hyperparameters
 from commsched.update.kinds import hyperparameter_snapshot
 
 if TYPE_CHECKING:
@@ -24,14 +24,12 @@ if TYPE_CHECKING:
     from commsched.update.grad_scaling import GradScaling
 
 
-class ServerSideUpdate(UnshardedState):
+class ServerSideUpdate:
     """The parameter-server backend's update: copy the pulled values into the parameters."""
 
     overlap_blocker = None
     per_bucket = True
-    update_order = None
-    local_updates: frozenset[int] = frozenset()
-    step_records = None
+    sharded = None
     join_refusal = None
     foreign_step_refusal = (
         "With Strategy(backend=ParameterServer(...)) the servers run the optimizer and the workers' parameters "
@@ -39,6 +37,8 @@ class ServerSideUpdate(UnshardedState):
     )
 
     def __init__(self, client: ParameterServerTransport):
+        self.state_elsewhere = self
+        """The servers hold the state and the values (see `commsched.ps.checkpoints`)."""
         self._client = client
         self._optimizer, self._kind, self._params = client.optimizer, client.kind, client.params
 
@@ -107,7 +107,7 @@ class ServerSideUpdate(UnshardedState):
             )
         self._client.check_hyperparameters_unchanged()
 
-    def fetch_optimizer_state(self) -> None:
+    def fetch(self) -> None:
         """Copy the servers' optimizer state into ``optimizer.state`` (torch.optim's format)."""
         client = self._client
         if client.plan is None or client.finished:  # nothing built yet, or released
@@ -143,7 +143,7 @@ class ServerSideUpdate(UnshardedState):
             else:
                 self._optimizer.state.pop(param, None)
 
-    def drop_fetched_state(self) -> None:
+    def drop_fetched(self) -> None:
         """Workers keep the fetched state (the servers' copy of it) as torch.optim's."""
 
     def push_optimizer_state(self) -> None:

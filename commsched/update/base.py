@@ -16,25 +16,49 @@ if TYPE_CHECKING:
     from commsched.update.grad_scaling import GradScaling
     from commsched.update.step_records import StepRecords
 
-__all__ = ["Hyperparameters", "UnshardedState", "UpdatePolicy"]
+__all__ = ["Hyperparameters", "ShardedState", "StateElsewhere", "UpdatePolicy"]
 
-NOT_SHARDED = (
-    "sharded checkpoints need Strategy(backend=AllReduce(shard_optimizer=True)); without it every rank holds "
-    "the whole optimizer state: save optimizer.state_dict() and load it with optimizer.load_state_dict()"
-)
+class ShardedState(Protocol):
+    """Optimizer state sharded across the replicas (an optional capability: `UpdatePolicy.sharded`)."""
+
+    update_order: tuple[int, ...] | None
+    """The order buckets must be updated in, the same on every rank (their updates start
+    collectives: see [Note: sharded optimizer state] in `commsched.update.sharded`); None until
+    the buckets exist."""
+
+    local_updates: frozenset[int]
+    """Buckets whose update starts no collective (the bucket kept whole): they may be updated out
+    of `update_order` (see [Note: updates ahead of a local bucket] in `commsched.engine.backward_pass`)."""
+
+    step_records: StepRecords
+    """How a rank out of batches under ``Join`` learns the others' steps, to update its own part at
+    each (see [Note: a joined rank's shard] in `commsched.update.step_records`)."""
+
+    def status(self) -> ShardStatus:
+        """Its layout and this rank's bytes of state."""
+
+    def save(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank writes its own part of the optimizer state (``torch.distributed.checkpoint``)."""
+
+    def load(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank reads its own part of the optimizer state, written by `save`."""
 
 
-class UnshardedState:
-    """What an update policy whose optimizer state is not sharded answers about sharding."""
+class StateElsewhere(Protocol):
+    """Optimizer state or parameters kept apart from the user's optimizer and model (sharded, or on
+    parameter servers): an optional capability, `UpdatePolicy.state_elsewhere`."""
 
-    def sharding(self) -> None:
-        return None
+    def fetch(self) -> None:
+        """Before ``optimizer.state_dict()``: bring the state into ``optimizer.state``."""
 
-    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)
+    def drop_fetched(self) -> None:
+        """After ``optimizer.state_dict()`` (or a copy) read what `fetch` brought."""
 
-    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        raise ValueError(NOT_SHARDED)
+    def push_optimizer_state(self) -> None:
+        """After ``optimizer.load_state_dict()``: send the loaded state where it is used."""
+
+    def push_parameters(self) -> None:
+        """After ``model.load_state_dict()``: send the loaded values where they are kept."""
 
 
 class UpdatePolicy(Protocol):
@@ -66,20 +90,12 @@ class UpdatePolicy(Protocol):
     """Why a rank out of batches cannot shadow the others' iterations under torch's ``Join``
     with this update (see `Transport.join_refusal`), or None where it can."""
 
-    step_records: StepRecords | None
-    """How a rank out of batches under ``Join`` learns the others' steps, where it must update
-    state of its own at each (sharded state: see [Note: a joined rank's shard] in
-    `commsched.update.step_records`); None where it need not."""
+    sharded: ShardedState | None
+    """With sharded optimizer state, how it is sharded; None where every rank holds all of it."""
 
-    update_order: tuple[int, ...] | None
-    """The order buckets must be updated in, the same on every rank (their updates start
-    collectives: see [Note: sharded optimizer state] in `commsched.update.sharded`), or None:
-    any order."""
-
-    local_updates: frozenset[int]
-    """Buckets whose update starts no collective (sharded state's bucket kept whole): they may be
-    updated out of `update_order` (see [Note: updates ahead of a local bucket] in
-    `commsched.engine.backward_pass`)."""
+    state_elsewhere: StateElsewhere | None
+    """Where optimizer state or parameters are kept apart from the user's objects, how they are
+    brought back and sent there; None where the user's optimizer and model hold them."""
 
     def snapshot(self) -> Hyperparameters:
         """The hyper-parameters to update with, read at ``step()``."""
@@ -106,26 +122,5 @@ class UpdatePolicy(Protocol):
         (``gradients_changed``: in place, after they were issued; ``scaled``: a
         ``GradScaler`` steps the optimizer)."""
 
-    def fetch_optimizer_state(self) -> None:
-        """Before ``optimizer.state_dict()``: bring state kept elsewhere into ``optimizer.state``."""
-
-    def drop_fetched_state(self) -> None:
-        """After ``optimizer.state_dict()`` (or a copy) read what `fetch_optimizer_state` brought."""
-
-    def push_optimizer_state(self) -> None:
-        """After ``optimizer.load_state_dict()``: send the loaded state where it is used."""
-
-    def push_parameters(self) -> None:
-        """After ``model.load_state_dict()``: send the loaded values where they are kept."""
-
     def close(self) -> None:
         """``commsched.release``: the optimizer steps on its own from now on; give it what it needs."""
-
-    def sharding(self) -> ShardStatus | None:
-        """With sharded optimizer state, its layout and this rank's bytes; else None."""
-
-    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        """Each rank writes its own part of the optimizer state (``torch.distributed.checkpoint``)."""
-
-    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        """Each rank reads its own part of the optimizer state, written by `save_sharded`."""

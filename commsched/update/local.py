@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commsched.update.base import Hyperparameters, UnshardedState
+from commsched.update.base import Hyperparameters
 from commsched.update.fused import BucketUpdater
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import unsupported_reason
@@ -16,15 +16,14 @@ if TYPE_CHECKING:
     from commsched.layout.grad_layout import GradLayout
 
 
-class LocalUpdate(UnshardedState):
+class LocalUpdate:
     """The all-reduce backend's update: torch's SGD/Adam/AdamW kernels per bucket, as each
     bucket's reduction completes; any other optimizer steps as usual once every
     reduction is done (and forward overlap is off)."""
 
     foreign_step_refusal = None
-    update_order = None
-    local_updates: frozenset[int] = frozenset()
-    step_records = None
+    sharded = None
+    state_elsewhere = None
     join_refusal = None
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, fuse_optimizer: bool, overlap_forward: bool):
@@ -83,18 +82,6 @@ class LocalUpdate(UnshardedState):
     def check_step(self, gradients_changed: bool, scaled: bool) -> None:
         """Changed gradients are averaged gradients changed here, and the scale is applied here:
         the forward-overlap guard decides."""
-
-    def fetch_optimizer_state(self) -> None:
-        """The state is the user's optimizer's own."""
-
-    def drop_fetched_state(self) -> None:
-        """The state is the user's optimizer's own."""
-
-    def push_optimizer_state(self) -> None:
-        """The state is the user's optimizer's own."""
-
-    def push_parameters(self) -> None:
-        """The parameters are the model's own."""
 
     def close(self) -> None:
         """The state is the user's optimizer's own."""

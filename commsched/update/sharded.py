@@ -164,6 +164,8 @@ class ShardedUpdate:
         self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
         self._kind = optimizer_kind(optimizer)
         device = next(p.device for group in optimizer.param_groups for p in group["params"])
+        self.sharded = self.state_elsewhere = self
+        """It is the sharded state, and keeps it apart from the user's optimizer."""
         self.step_records = StepRecords(self._kind, optimizer, self._group_after_gathers, device, timeout_s)
         """What a rank out of batches under Join learns of the others' steps (see
         [Note: a joined rank's shard] in `commsched.update.step_records`)."""
@@ -186,7 +188,7 @@ class ShardedUpdate:
         """The layout in use, where its chunks are not made yet (see [Note: a new layout is cut after
         the backward pass]); the fields above then describe the layout before it."""
         self._pending_load: str | os.PathLike | None = None
-        """A sharded checkpoint to load once the buckets exist (`load_sharded` before the first forward)."""
+        """A sharded checkpoint to load once the buckets exist (`load` before the first forward)."""
         self.update_order: tuple[int, ...] | None = None
         """Buckets in the order their updates run on every rank (forward order)."""
         self.local_updates: frozenset[int] = frozenset()
@@ -253,7 +255,7 @@ class ShardedUpdate:
         """A sharded checkpoint `load_sharded` was given before the buckets existed: loaded now."""
         if self._pending_load is not None:
             checkpoint_id, self._pending_load = self._pending_load, None
-            self.load_sharded(checkpoint_id)
+            self.load(checkpoint_id)
 
     def _cut(self, places: Sequence[_Place], shards: Sequence[BucketShard], state: FragmentStates,
              whole: int | None) -> None:
@@ -348,11 +350,11 @@ class ShardedUpdate:
         """Gradients are averaged on every rank, as with the all-reduce backend: its guards decide."""
 
     # ------------------------------------------------------------- state
-    def fetch_optimizer_state(self) -> None:
+    def fetch(self) -> None:
         """Before ``optimizer.state_dict()``: the whole state, gathered from every rank (collective)."""
         self._optimizer.state.update(self._gather_state())
 
-    def drop_fetched_state(self) -> None:
+    def drop_fetched(self) -> None:
         """After ``state_dict()`` (or a copy): the whole state leaves the optimizer again."""
         for params in self._bucket_params:
             for param in params:
@@ -374,15 +376,15 @@ class ShardedUpdate:
     def push_parameters(self) -> None:
         """``load_state_dict`` copied the values into the parameters, which every rank holds whole."""
 
-    def save_sharded(self, checkpoint_id: str | os.PathLike) -> None:
+    def save(self, checkpoint_id: str | os.PathLike) -> None:
         """Each rank writes its own fragments with ``torch.distributed.checkpoint`` (collective);
         see `commsched.update.sharded_checkpoint`."""
         self._settle()
         pieces, scalars = self._pieces(template=False)
         sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group_after_gathers())
 
-    def load_sharded(self, checkpoint_id: str | os.PathLike) -> None:
-        """Each rank reads its own fragments of what `save_sharded` wrote, in any world size and
+    def load(self, checkpoint_id: str | os.PathLike) -> None:
+        """Each rank reads its own fragments of what `save` wrote, in any world size and
         layout (collective). Before the first forward pass there are no buckets yet: it happens
         once they exist."""
         self._settle()
@@ -470,7 +472,7 @@ class ShardedUpdate:
         self._state = defaultdict(dict)
         self._updater = None
 
-    def sharding(self) -> ShardStatus | None:
+    def status(self) -> ShardStatus:
         """The shard layout in use and the state this rank holds, once the buckets exist (of a layout
         not updated in yet, the chunks it will have: see [Note: a new layout is cut after the
         backward pass])."""

@@ -732,7 +732,7 @@ def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = R
         set_gradients(step)
         updates.step_on_current_gradients(optimizer.step, again=False)
         reference_optimizer.step()
-    layouts = [updates.sharding().chunk_elements]
+    layouts = [updates.status().chunk_elements]
     loss = None
     if held_by_a_graph:
         for param, expected in zip(params, reference, strict=True):
@@ -755,7 +755,7 @@ def resharding_rise(rank: int, world_size: int, caps_mb: tuple[float, float] = R
     updates.step_on_current_gradients(optimizer.step, again=False)
     rise = own_peak_rss_mib() - before
     reference_optimizer.step()
-    layouts.append(updates.sharding().chunk_elements)
+    layouts.append(updates.status().chunk_elements)
     updates.close()  # the whole state back in the optimizer
     for param, expected in zip(params, reference, strict=True):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-7)
