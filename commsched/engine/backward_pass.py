@@ -45,6 +45,7 @@ from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
 from commsched.engine.events import Observer
 from commsched.engine.finite import FiniteCheck, flag_nonfinite
+from commsched.engine.labels import phase
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -353,7 +354,8 @@ class BackwardPass:
             self._settle_flags()
         if self.hyperparameters is not None and not self._updated[bucket]:
             started = time.perf_counter()
-            self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.update_scaling)
+            with phase("commsched::update"):
+                self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.update_scaling)
             finished = time.perf_counter()
             self.figures.update_s += finished - started
             self._events.bucket_updated(bucket, started, finished)
@@ -370,8 +372,9 @@ class BackwardPass:
 
     def _wait_reduced(self, bucket: int) -> None:
         started = time.perf_counter()
-        for handle in self._handles[bucket]:
-            handle.wait(self._timeout_s)
+        with phase("commsched::reduce_wait"):
+            for handle in self._handles[bucket]:
+                handle.wait(self._timeout_s)
         self._reduced[bucket] = True
         finished = time.perf_counter()
         self.figures.exposed_wait_s += finished - started

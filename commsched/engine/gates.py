@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from commsched.engine.labels import phase
 from commsched.watch.autograd_context import running_backward
 
 WaitForBuckets = Callable[[Sequence[int]], None]
@@ -51,7 +52,8 @@ class ForwardGates:
 def _gate(buckets: Sequence[int], wait_for: WaitForBuckets):
     def gate(module: torch.nn.Module, args: object) -> None:
         if not running_backward():
-            wait_for(buckets)
+            with phase("commsched::gate"):
+                wait_for(buckets)
 
     # In a compiled model the gate runs as it is, between two graphs: dynamo must not trace the engine.
     return torch.compiler.disable(gate, reason="commsched's forward gate waits for and updates buckets")

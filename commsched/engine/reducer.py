@@ -40,6 +40,7 @@ from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
 from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
+from commsched.engine.labels import phase
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
@@ -387,7 +388,8 @@ class GradientReducer:
             self.tuning.pass_started(iteration, time.perf_counter())
         new_order = None
         if iteration == WARMUP_ITERATIONS:
-            new_order = self._finish_warmup()
+            with phase("commsched::warmup"):
+                new_order = self._finish_warmup()
         elif self._layout_may_change(iteration):
             new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
@@ -611,7 +613,7 @@ class GradientReducer:
         warmup = self.warmup
         if warmup is not None:
             warmup.before_step()
-        with failures_explained(self.transport):
+        with failures_explained(self.transport), phase("commsched::step"):
             self._step(optimizer_step, scaling)
         if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
             self.warmup = None

@@ -98,3 +98,28 @@ def test_a_trace_dir_one_rank_cannot_write_stops_every_rank_at_prepare(shared_ra
 def test_report_without_traces_says_what_to_do(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"Strategy\(trace_dir="):
         report(tmp_path)
+
+
+def profiled_phases(rank: int, world_size: int) -> list[str]:
+    """``torch.profiler`` over warm-up and two overlapped iterations: the phase labels it recorded."""
+    torch.manual_seed(0)
+    model = ParityNet()
+    model, optimizer = commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                         commsched.Strategy(bucket_cap_mb=0.004, first_bucket_mb=0.001))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(WARMUP_ITERATIONS + 2):
+            F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model(torch.randn(4, 8))  # the last step's buckets, updated at their gates
+    commsched.release(model)
+    return sorted({event.key for event in profile.key_averages() if event.key.startswith("commsched::")})
+
+
+@in_shared_ranks(profiled_phases, 2, timeout_s=120)
+def test_a_profile_shows_commscheds_phases(shared_ranks):
+    """What a user sees in a profile: the gates, the waits for reductions, the updates, the step and
+    the end of warm-up, each labelled (FSDP2 labels its phases alike)."""
+    for labels in shared_ranks.result():
+        assert labels == ["commsched::gate", "commsched::reduce_wait", "commsched::step", "commsched::update",
+                          "commsched::warmup"], labels
