@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
-from commsched.comm.agreement import on_any_rank
 from commsched.comm.transport import Transport, failures_explained
 from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
@@ -42,6 +41,7 @@ from commsched.engine.hooks import ModelHooks
 from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
 from commsched.engine.labels import phase
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
+from commsched.engine.scattering import ScatterDecision
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
 from commsched.engine.tuning import TuningSession, autotuner, confirmation
@@ -68,14 +68,9 @@ from commsched.watch.guards import (
     gradients_touched_error,
     scattered_gradients_left_error,
     synchronize_during_backward_error,
-    whole_gradients_needed_error,
 )
 
 logger = logging.getLogger("commsched")
-
-WHOLE_GRADIENTS_ON_ANOTHER_RANK = (
-    "another rank's loop changed its gradients between backward() and step(), or used a GradScaler, in warm-up"
-)
 
 ONE_REPLICA_REASON = "one replica: there is no reduction to hide, so every bucket is updated at step()"
 
@@ -121,9 +116,8 @@ class GradientReducer:
         """The backward pass's end-of-pass callback ran in a nested backward pass
         before every gradient was in; see [Note: nested backward]."""
         self._sync_enabled = True
-        self._whole_gradients_needed: str | None = None
-        """Why the loop needs every rank to hold the whole averaged gradients, as warm-up saw:
-        they are then never reduce-scattered (see [Note: reduce-scattered buckets])."""
+        self._scatter_decision = ScatterDecision(transport.scatter, lambda: groups.control, config.timeout_s)
+        """Whether the loop lets gradients be reduce-scattered (see [Note: reduce-scattered buckets])."""
         self.awaiting_optimizer = awaiting_optimizer
         self._overlap_blocked = None if awaiting_optimizer else policy.overlap_blocker
         if config.overlap_requested and self._overlap_blocked:
@@ -205,11 +199,8 @@ class GradientReducer:
 
     @property
     def reduce_scatter_off_reason(self) -> str | None:
-        """Why gradients stay all-reduced though the strategy asks for a reduce-scatter (see
-        `_start_scattering`); None otherwise."""
-        if self.transport.scatter is None or self.lifecycle is Lifecycle.WARMUP:
-            return None
-        return self._whole_gradients_needed
+        """Why gradients stay all-reduced though the strategy asks for a reduce-scatter; None otherwise."""
+        return self._scatter_decision.off_reason(warming_up=self.lifecycle is Lifecycle.WARMUP)
 
     def _finish_warmup(self) -> tuple[int, ...] | None:
         """At the first iteration after warm-up: the cost model's choice, the plan, overlap or not, tuning.
@@ -223,7 +214,7 @@ class GradientReducer:
         self.choice = result.choice
         new_order = None
         configured = self.config.layout
-        scattering = self._start_scattering()
+        scattering = self._scatter_decision.start()
         relaid = result.timeline is not None and result.choice is not None and self._use_partitioning(result.choice)
         if scattering and not relaid:
             self._relayout(self.layout.forward_order)
@@ -264,24 +255,6 @@ class GradientReducer:
         self._relayout(self.layout.forward_order)
         logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
                     len(self.layout.partitions), choice.reason)
-        return True
-
-    def _start_scattering(self) -> bool:
-        """At the end of warm-up: reduce-scatter from the next layout on, unless some rank's loop was
-        seen needing the whole averaged gradients; True if the buckets must be laid out anew for it.
-        Every rank decides alike (one all-reduce): the collectives of the two differ."""
-        scatter = self.transport.scatter
-        if scatter is None:
-            return False
-        needed_somewhere = on_any_rank(self._whole_gradients_needed is not None, self.groups.control,
-                                       self.config.timeout_s, "the agreement on reduce-scattering gradients")
-        if needed_somewhere and self._whole_gradients_needed is None:
-            self._whole_gradients_needed = WHOLE_GRADIENTS_ON_ANOTHER_RANK
-        if self._whole_gradients_needed is not None:
-            logger.warning("commsched: gradients stay all-reduced whole (reduce_scatter=True is off): %s",
-                           self._whole_gradients_needed)
-            return False
-        scatter.start()
         return True
 
     def _agree_on_plan(self) -> Plan:
@@ -653,7 +626,8 @@ class GradientReducer:
             return
         changed = current.gradients_changed()
         self.policy.check_step(changed, scaled=scaling is not None)
-        self._check_whole_gradients(changed, scaled=scaling is not None)
+        warming_up = self.lifecycle is Lifecycle.WARMUP
+        self._scatter_decision.stepped(changed, scaled=scaling is not None, warming_up=warming_up)
         if current.overlapping and not current.grads_final:
             if scaling is not None:
                 raise grad_scaler_after_warmup_error()
@@ -674,21 +648,6 @@ class GradientReducer:
                     self._block_overlap(reason)
             self.synchronize()
             current.report_nonfinite(block=True)
-
-    def _check_whole_gradients(self, changed: bool, scaled: bool) -> None:
-        """At ``step()``: whether the loop needs the whole averaged gradients on every rank. Noted in
-        warm-up (they then stay all-reduced); after it, with reduce-scattered buckets, refused. (A
-        loop that only reads them finds NaN where they are not averaged: see [Note: reduce-scattered
-        buckets].)"""
-        reason = GRAD_SCALER_REASON if scaled else GRADIENTS_CHANGED_REASON if changed else None
-        if reason is None:
-            return
-        if self.transport.scatter is not None and self.transport.scatter.active:
-            raise whole_gradients_needed_error(
-                "a torch.amp.GradScaler stepped this optimizer" if scaled else
-                "gradients were changed between backward() and step() (clip_grad_norm_, GradScaler.unscale_, ...)")
-        if self.lifecycle is Lifecycle.WARMUP and self._whole_gradients_needed is None:
-            self._whole_gradients_needed = reason
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         self._end_deferred_backward()
