@@ -124,16 +124,18 @@ class BackwardPass:
         self._flags_settled = False
         self.hyperparameters: Hyperparameters | None = None
         """Set by ``step()``: the updates are released, with these hyper-parameters."""
-        self.scaling: GradScaling | None = None
+        # [Note: a pass's step state] What the user's calls did to this pass, each set by one of
+        # the transitions under "step" below, never from outside.
+        self._scaling: GradScaling | None = None
         """Set by ``step()`` under a ``GradScaler``: the loss scale and its inf/NaN verdict."""
-        self.stepped = False
-        self.grads_final = False
+        self._stepped = False
+        self._grads_final = False
         """``synchronize()`` ran: gradients are averaged and may be changed before ``step()``."""
-        self.synchronized_by_user = False
+        self._synchronized_by_user = False
         """The user called ``optimizer.synchronize()`` after this pass's backward."""
-        self.grads_released = False
+        self._grads_released = False
         """``zero_grad(set_to_none=True)`` ran: settled gradients must not reappear as ``.grad``."""
-        self.grads_cleared = False
+        self._grads_cleared = False
         """``optimizer.zero_grad()`` ran after this pass's backward (either way)."""
         self.figures = IterationFigures(iteration)
         self._held = (frozenset(range(num_buckets)) if held_buckets is None else held_buckets) | {layout.flags_bucket}
@@ -401,7 +403,7 @@ class BackwardPass:
         for slot in self._unowned_slots:
             if used_by_some_rank[slot] == 0:
                 unused.append(slot)
-            elif not self.grads_released:
+            elif not self._grads_released:
                 layout.params[slot].grad = layout.views[slot]
         self._globally_unused = frozenset(unused)
         self._unowned_slots = []
@@ -409,8 +411,8 @@ class BackwardPass:
     @property
     def update_scaling(self) -> GradScaling | None:
         """What each update takes as its ``found_inf``: a ``GradScaler``'s verdict, or the finite check's."""
-        if self.scaling is not None or self._finite is None:
-            return self.scaling
+        if self._scaling is not None or self._finite is None:
+            return self._scaling
         if not self._flags_settled:
             self._settle_flags()
         return self._finite.verdict
@@ -419,7 +421,7 @@ class BackwardPass:
     def skipped_as_nonfinite(self) -> bool:
         """`Strategy.check_finite` found inf or NaN on some rank, and no ``GradScaler`` rules (a host read)."""
         verdict = self.update_scaling
-        return self._finite is not None and self.scaling is None and verdict is not None and verdict.skipped
+        return self._finite is not None and self._scaling is None and verdict is not None and verdict.skipped
 
     def gradients_hold_nonfinite(self) -> bool:
         """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients),
@@ -456,7 +458,7 @@ class BackwardPass:
         (see [Note: reduce-scattered buckets]): a backward pass now would add to NaN. Read from one
         element of another rank's chunk per bucket, and only where ``optimizer.zero_grad()`` did not
         run (a gradient set to None, or zeroed in place, is not left)."""
-        if self.grads_cleared or not self._scattering:
+        if self._grads_cleared or not self._scattering:
             return False
         layout, probes = self._layout, []
         for index, bucket in enumerate(layout.buckets):
@@ -490,18 +492,55 @@ class BackwardPass:
 
         Nothing under a ``GradScaler``, whose own verdict rules. ``block``: on a GPU, wait
         for the verdict to reach the host (else, if it has not yet, tell later)."""
-        if self._finite is not None and self.scaling is None and self._flags_settled:
+        if self._finite is not None and self._scaling is None and self._flags_settled:
             layout = self._layout
             self._finite.report(lambda b: [layout.names[slot] for slot in layout.bucket_slots[b]], block)
 
     # -------------------------------------------------------------------- step
+    @property
+    def stepped(self) -> bool:
+        """``step()`` ran after this pass's backward."""
+        return self._stepped
+
+    @property
+    def synchronized_by_user(self) -> bool:
+        return self._synchronized_by_user
+
+    @property
+    def has_new_gradients(self) -> bool:
+        """Neither a ``step()`` nor ``zero_grad(set_to_none=True)`` came after this pass's backward:
+        its reduced gradients are there to step on (else, [Note: a step without backward])."""
+        return not (self._stepped or self._grads_released)
+
+    @property
+    def gradients_may_change(self) -> bool:
+        """Every reduction is awaited (``synchronize()`` ran), so gradients may be changed in place."""
+        return self._grads_final
+
+    def synchronized(self, by_user: bool = False) -> None:
+        """Every reduction and released update is done (``by_user``: ``optimizer.synchronize()``)."""
+        self._grads_final = True
+        self._synchronized_by_user = self._synchronized_by_user or by_user
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """``optimizer.zero_grad()`` after this pass's backward."""
+        self._grads_cleared = True
+        self._grads_released = self._grads_released or set_to_none
+
     def release_updates(self, hyperparameters: Hyperparameters, scaling: GradScaling | None = None) -> None:
         """``step()``: each bucket is updated once reduced (now, or at its gate)."""
+        self._stepped = True
         self.hyperparameters = hyperparameters
-        self.scaling = scaling
+        self._scaling = scaling
 
-    def mark_updated(self) -> None:
+    def scaled_by(self, scaling: GradScaling | None) -> None:
+        """An optimizer without per-bucket updates is about to step under ``scaling`` (a
+        ``GradScaler``'s, or None): the verdict of `Strategy.check_finite` then defers to it."""
+        self._scaling = scaling
+
+    def stepped_whole(self) -> None:
         """The optimizer stepped every parameter itself (after every reduction)."""
+        self._stepped = True
         self._updated = [True] * len(self._layout.buckets)
         self._finished = [True] * len(self._layout.buckets)
         self.outstanding = 0

@@ -454,7 +454,6 @@ class GradientReducer:
             step = self._joined_steps.receive(self.policy.snapshot())
             if step is not None:
                 current.release_updates(*step)
-                current.stepped = True
                 current.start_updates()
 
     # ----------------------------------------------------------------- forward
@@ -561,8 +560,7 @@ class GradientReducer:
         if current is not None:
             with failures_explained(self.transport):  # sharded state's all-gathers too
                 current.complete_all()
-            # Gradients are final now: changing them before step() is legitimate.
-            current.grads_final = True
+            current.synchronized()  # gradients are final: changing them before step() is legitimate
 
     def synchronize_for_user(self) -> None:
         """``optimizer.synchronize()``: as `synchronize`, and noted on the pass. A loop that calls
@@ -570,7 +568,7 @@ class GradientReducer:
         it every time; another optimizer may step after it (see [Note: foreign optimizers])."""
         self.synchronize()
         if self.current is not None:
-            self.current.synchronized_by_user = True
+            self.current.synchronized(by_user=True)
 
     def state_loaded(self) -> None:
         """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""
@@ -598,7 +596,7 @@ class GradientReducer:
         if self.lifecycle is Lifecycle.RELEASED:
             optimizer_step()
             return
-        if current is not None and (current.stepped or current.grads_released):
+        if current is not None and not current.has_new_gradients:
             # [Note: a step without backward] No new reduced gradients since the last
             # step(), or zero_grad() dropped them: torch.optim steps on whatever .grad
             # holds now (nothing, for None), so the optimizer's own step does, once
@@ -608,18 +606,16 @@ class GradientReducer:
             self.synchronize()
             if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
                 self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
-            current.stepped = True
-            current.mark_updated()
+            current.stepped_whole()
             return
         if not self.policy.per_bucket:
             if current is not None:
-                current.scaling = scaling
+                current.scaled_by(scaling)
             self.synchronize()
             if current is None or not current.skipped_as_nonfinite:
                 optimizer_step()
             if current is not None:
-                current.stepped = True
-                current.mark_updated()
+                current.stepped_whole()
                 current.report_nonfinite(block=True)
             return
         if current is None:
@@ -628,12 +624,11 @@ class GradientReducer:
         self.policy.check_step(changed, scaled=scaling is not None)
         warming_up = self.lifecycle is Lifecycle.WARMUP
         self._scatter_decision.stepped(changed, scaled=scaling is not None, warming_up=warming_up)
-        if current.overlapping and not current.grads_final:
+        if current.overlapping and not current.gradients_may_change:
             if scaling is not None:
                 raise grad_scaler_after_warmup_error()
             if changed:
                 raise gradients_touched_error()
-        current.stepped = True
         hyperparameters = self.policy.snapshot()
         self._joined_steps.stepped(hyperparameters, scaling)
         current.release_updates(hyperparameters, scaling)
@@ -651,14 +646,12 @@ class GradientReducer:
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         self._end_deferred_backward()
-        if self.current is not None:
-            self.current.grads_cleared = True
         if not set_to_none:
             # Zeroing in place would race with reductions still in flight.
             self.synchronize()
-        elif self.current is not None:
-            # Gradients still being settled must not reappear as .grad afterwards.
-            self.current.grads_released = True
+        if self.current is not None:
+            # Set to None, gradients still being settled must not reappear as .grad afterwards.
+            self.current.zero_grad(set_to_none)
 
     def _finish_in_flight(self) -> None:
         """At exit, for a model never released: see [Note: operations in flight at exit] in
