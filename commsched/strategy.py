@@ -64,7 +64,7 @@ class AllReduce:
     state per rank drops from twice the parameters to twice 1/N of them; the wire
     carries an all-gather of the parameters besides the all-reduce. Gradients are
     averaged whole, so every loop stays exact. SGD, Adam and AdamW only; see
-    README's "Sharded optimizer state"."""
+    docs/guide.md, "Sharded optimizer state"."""
 
     reduce_scatter: bool = False
     """With ``shard_optimizer``: reduce-scatter the gradients instead of all-reducing
@@ -73,7 +73,7 @@ class AllReduce:
     gloo's reduce-scatter is no faster than its all-reduce). ``param.grad`` then holds
     the average only on this rank's chunk; elsewhere it reads NaN. Loops that change the
     gradients before ``step()`` (clipping) or use a ``GradScaler`` need them whole: when
-    warm-up sees one, gradients stay all-reduced; see README's "Sharded optimizer state"."""
+    warm-up sees one, gradients stay all-reduced; see docs/guide.md, "Sharded optimizer state"."""
 
     all_to_all_mb: float | str | None = "auto"
     """On gloo among 3 or more ranks, all-reduce in two all-to-alls rather than by gloo's ring,
