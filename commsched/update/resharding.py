@@ -21,8 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from commsched.layout.buckets import view_like
 from commsched.layout.shards import BucketShard, Fragment
+from commsched.update.sharded_layout import FragmentStates, FullState, ShardCut, StateKinds
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
 
 RESHARD_PIECE_BYTES = 4 * 2**20
 """The most one all-gather of resharding gathers (every rank's stretch together)."""
@@ -106,3 +112,112 @@ def _take_stretch(values: torch.Tensor, begin: int, params: Sequence[torch.Tenso
             if tensor is not None and first < last:
                 tensor[first - fragment.start:last - fragment.start].copy_(
                     values[first + offset - begin:last + offset - begin])
+
+
+# ----------------------------------------------- gathering and moving a cut's state
+Wait = Callable[[dist.Work, str], None]
+"""Waits for a collective, naming what it is in the error if it fails."""
+
+State = Mapping[torch.Tensor, dict[str, Any]]
+"""Per fragment of the cut (its view), its state (the sharded update's own, changed in place)."""
+
+
+def reshard_state(cut: ShardCut, state: dict[torch.Tensor, dict[str, Any]], kinds: StateKinds,
+                  new_bucket_params: Sequence[Sequence[torch.nn.Parameter]], new_shards: Sequence[BucketShard],
+                  group: dist.ProcessGroup, wait: Wait) -> FragmentStates:
+    """This rank's fragments of the state in a new layout (collective on ``group``): each old
+    bucket's state moved a piece at a time, its old fragments let go (from ``state``) before the
+    next; see [Note: resharding one bucket at a time]."""
+    targets = new_fragments_by_param(new_bucket_params, new_shards)
+    moved: FragmentStates = {}
+    for bucket in range(len(cut.shards)):
+        _move_bucket_state(cut, state, kinds, bucket, targets, moved, group, wait)
+        for _, piece in cut.fragments[bucket]:
+            state.pop(piece, None)
+    return moved
+
+
+def _move_bucket_state(cut: ShardCut, state: dict[torch.Tensor, dict[str, Any]], kinds: StateKinds, bucket: int,
+                       targets: NewFragments, moved: FragmentStates, group: dist.ProcessGroup, wait: Wait) -> None:
+    """Old ``bucket``'s state into the new fragments (``targets``) that hold it, in ``moved``, one
+    kind at a time: each kind's new tensors are made just before it moves, its old ones let go
+    right after, so the bucket's state exists about once, not twice."""
+    shard, flat, params = cut.shards[bucket], cut.flats[bucket], cut.bucket_params[bucket]
+    has_state, steps = presence(cut, state, bucket, group, wait)
+    receivers = []
+    for position, param in enumerate(params):
+        keys = kinds.keys_of(param)
+        if not has_state[position] or keys is None:
+            continue
+        for fragment_key, fragment in targets.get(id(param), ()):
+            entry = moved.setdefault(fragment_key, {})
+            if kinds.has_step:
+                entry["step"] = torch.tensor(steps[position], dtype=torch.float32)
+            receivers.append((entry, fragment.numel, keys, param.dtype))
+    stretch = piece_elements(flat.element_size(), shard.world_size)
+    for key in kinds.state_keys(params):
+        for entry, numel, keys, dtype in receivers:
+            if key in keys:
+                entry[key] = torch.zeros(numel, dtype=dtype, device=flat.device)
+
+        def gather(mine: torch.Tensor, key: str = key) -> torch.Tensor:
+            gathered = torch.empty(mine.numel() * shard.world_size, dtype=mine.dtype, device=mine.device)
+            wait(all_gather_single(gathered, mine, group=group, async_op=True),
+                 f"the all-gather of optimizer state {key!r}")
+            return gathered
+
+        move_kind(key, shard, [(fragment, state.get(piece, {}).get(key)) for fragment, piece in cut.fragments[bucket]],
+                  flat, params, targets, moved, stretch, gather)
+        for _, piece in cut.fragments[bucket]:
+            state.get(piece, {}).pop(key, None)
+
+
+def presence(cut: ShardCut, state: State, bucket: int, group: dist.ProcessGroup,
+             wait: Wait) -> tuple[list[float], list[float]]:
+    """Per parameter of ``bucket``, whether some rank holds state for it, and its step
+    (collective: one all-reduce)."""
+    shard, params = cut.shards[bucket], cut.bucket_params[bucket]
+    found = torch.zeros(2 * len(params), dtype=torch.float64, device=cut.flats[bucket].device)
+    for fragment, piece in cut.fragments[bucket]:
+        held = state.get(piece)
+        if held:
+            found[fragment.position] = 1
+            step = held.get("step")
+            found[len(params) + fragment.position] = float(step) if step is not None else 0.0
+    if shard.world_size > 1:
+        wait(dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True),
+             "the all-reduce of which parameters have optimizer state")
+    return found[:len(params)].tolist(), found[len(params):].tolist()
+
+
+def gather_bucket(cut: ShardCut, state: State, kinds: StateKinds, bucket: int, group: dist.ProcessGroup,
+                  wait: Wait) -> FullState:
+    """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
+    per kind of state tensor, and one all-reduce of which parameters have state and their
+    step. The tensors are views into one buffer per kind."""
+    shard, flat, params = cut.shards[bucket], cut.flats[bucket], cut.bucket_params[bucket]
+    fragments = cut.fragments[bucket]
+    gathered: FullState = {}
+    has_state, steps = presence(cut, state, bucket, group, wait)
+    offsets = back_to_back_offsets(params)
+    tensors: dict[str, torch.Tensor] = {}
+    for key in kinds.state_keys(params):
+        full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=flat.device)
+        for fragment, piece in fragments:
+            value = state.get(piece, {}).get(key)
+            if value is not None:
+                full[fragment.bucket_offset:fragment.bucket_offset + fragment.numel].copy_(value)
+        if shard.world_size > 1:
+            mine = full[shard.start:shard.start + shard.chunk]
+            wait(all_gather_single(full, mine, group=group, async_op=True),
+                 f"the all-gather of optimizer state {key!r}")
+        tensors[key] = full
+    for position, param in enumerate(params):
+        keys = kinds.keys_of(param)
+        if not has_state[position] or keys is None:
+            continue
+        held = {key: view_like(tensors[key], offsets[position], param) for key in keys}
+        if kinds.has_step:
+            held["step"] = torch.tensor(steps[position], dtype=torch.float32)
+        gathered[param] = held
+    return gathered

@@ -97,19 +97,13 @@ from commsched.update.fused import BucketUpdater
 from commsched.update.gather_queue import QueuedGather, gather_queue_for, gathers_one_at_a_time
 from commsched.update.grad_scaling import GradScaling
 from commsched.update.kinds import hyperparameter_snapshot, optimizer_kind, unsupported_reason
+from commsched.update.sharded_layout import FragmentStates, FullState, ShardCut, StateKinds
 from commsched.update.step_records import StepRecords
 
 if TYPE_CHECKING:
     from commsched.layout.grad_layout import GradLayout
 
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""torch's gather of equal chunks into one tensor (named ``all_gather_into_tensor`` before 2.13)."""
 
-FullState = dict[torch.nn.Parameter, dict[str, Any]]
-"""Per parameter, torch.optim's state for it (whole tensors)."""
-
-FragmentStates = dict[tuple[int, int], dict[str, Any]]
-"""Per (bucket, number of the fragment among this rank's in that bucket), the fragment's state."""
 
 
 class _Place(NamedTuple):
@@ -169,14 +163,9 @@ class ShardedUpdate:
         self.step_records = StepRecords(self._kind, optimizer, self._group_after_gathers, device, timeout_s)
         """What a rank out of batches under Join learns of the others' steps (see
         [Note: a joined rank's shard] in `commsched.update.step_records`)."""
-        self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        self._shards: list[BucketShard] = []
-        self._rank, self._world_size = 0, 1
-        self._whole_bucket: int | None = None
-        """The bucket every rank updates whole (see [Note: the first bucket is not sharded])."""
-        self._flats: list[torch.Tensor] = []
-        self._bucket_params: list[tuple[torch.nn.Parameter, ...]] = []
-        self._fragments: list[list[tuple[Fragment, torch.Tensor]]] = []
+        self._kinds = StateKinds(optimizer, self._kind)
+        self._cut = ShardCut()
+        """This rank's chunks of the layout in use (empty until the first layout's move)."""
         self._state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         """Per fragment of a parameter (its view into the flat buffer), the optimizer's state."""
         self._updater: BucketUpdater | None = None
@@ -204,12 +193,12 @@ class ShardedUpdate:
         self._layout = layout
         order = tuple(sorted(range(len(layout.buckets)), key=lambda b: (layout.priorities[b], b)))
         whole = _whole_bucket(layout, order)
-        unchanged = (bool(self._shards) and [tuple(b.params) for b in layout.buckets] == self._bucket_params
-                     and whole == self._whole_bucket)
+        unchanged = (bool(self._cut.shards) and [tuple(b.params) for b in layout.buckets] == self._cut.bucket_params
+                     and whole == self._cut.whole_bucket)
         self.update_order = order
         if unchanged:
             self._updater = self._bucket_updater(layout)
-            self.local_updates = frozenset(s.bucket for s in self._shards if s.world_size == 1)
+            self.local_updates = frozenset(s.bucket for s in self._cut.shards if s.world_size == 1)
             self._load_pending_checkpoint()
             return
         group = self._group()
@@ -230,10 +219,13 @@ class ShardedUpdate:
         if pending is None:
             return
         bucket_params = [place.params for place in pending.places]
-        state = (self._reshard_state(bucket_params, pending.shards) if self._shards
-                 else _fragments_of(self._take_optimizer_state(), bucket_params, pending.shards))
-        self._rank, self._world_size = pending.rank, pending.world_size
-        self._cut(pending.places, pending.shards, state, pending.whole_bucket)
+        if self._cut.shards:
+            self._wait_all_updated()
+            state = resharding.reshard_state(self._cut, self._state, self._kinds, bucket_params, pending.shards,
+                                             self._group_after_gathers(), self._wait)
+        else:
+            state = _fragments_of(self._take_optimizer_state(), bucket_params, pending.shards)
+        self._make_cut(pending.places, pending.shards, state, pending.whole_bucket, pending.rank, pending.world_size)
         if self._layout is not None:  # else the next attach builds it
             self._updater = self._bucket_updater(self._layout)
         self._load_pending_checkpoint()
@@ -242,13 +234,13 @@ class ShardedUpdate:
         """The fused updates of this rank's fragments, on ``layout``'s gradients."""
         return BucketUpdater(
             self._optimizer,
-            [[piece for _, piece in fragments] for fragments in self._fragments],
+            [[piece for _, piece in fragments] for fragments in self._cut.fragments],
             [[layout.buckets[b].flat[f.bucket_offset:f.bucket_offset + f.numel] for f, _ in fragments]
-             for b, fragments in enumerate(self._fragments)],
-            [[f.slot for f, _ in fragments] for fragments in self._fragments],
+             for b, fragments in enumerate(self._cut.fragments)],
+            [[f.slot for f, _ in fragments] for fragments in self._cut.fragments],
             fused=self._fused, state=self._state,
-            bucket_groups=[[self._group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
-                           for fragments in self._fragments],
+            bucket_groups=[[self._kinds.group_of.get(id(layout.params[f.slot])) for f, _ in fragments]
+                           for fragments in self._cut.fragments],
         )
 
     def _load_pending_checkpoint(self) -> None:
@@ -257,12 +249,12 @@ class ShardedUpdate:
             checkpoint_id, self._pending_load = self._pending_load, None
             self.load(checkpoint_id)
 
-    def _cut(self, places: Sequence[_Place], shards: Sequence[BucketShard], state: FragmentStates,
-             whole: int | None) -> None:
+    def _make_cut(self, places: Sequence[_Place], shards: Sequence[BucketShard], state: FragmentStates,
+                  whole: int | None, rank: int, world_size: int) -> None:
         """New chunks: the parameters move into one flat buffer per bucket, and this rank's
         fragments take their ``state``; of bucket ``whole``, every rank holds everything."""
-        self._whole_bucket = whole
-        self._shards, self._flats, self._bucket_params, self._fragments = list(shards), [], [], []
+        # The old cut goes first: each old flat buffer is then let go as its last parameter moves.
+        self._cut = cut = ShardCut(list(shards), rank=rank, world_size=world_size, whole_bucket=whole)
         self._state = defaultdict(dict)
         for index, (place, shard) in enumerate(zip(places, shards, strict=True)):
             flat = torch.zeros(shard.padded_numel, dtype=place.dtype, device=place.device)
@@ -277,9 +269,9 @@ class ShardedUpdate:
                 fragments.append((fragment, piece))
                 if (index, number) in state:
                     self._state[piece] = state.pop((index, number))
-            self._flats.append(flat)
-            self._bucket_params.append(place.params)
-            self._fragments.append(fragments)
+            cut.flats.append(flat)
+            cut.bucket_params.append(place.params)
+            cut.fragments.append(fragments)
 
     def detach(self) -> None:
         """The buckets are about to be laid out anew: let go of their gradients. The chunks stay
@@ -304,13 +296,13 @@ class ShardedUpdate:
         [Note: one all-gather at a time] in `commsched.update.gather_queue`)."""
         self._settle()
         self._updater.update(bucket, hyperparameters, skip_slots, scaling)
-        shard, flat = self._shards[bucket], self._flats[bucket]
+        shard, flat = self._cut.shards[bucket], self._cut.flats[bucket]
         if shard.world_size == 1:
             return
         mine = flat[shard.start:shard.start + shard.chunk]
         group = self._group()
         self._gathers[bucket] = gather_queue_for(group).submit(
-            lambda: all_gather_single(flat, mine, group=group, async_op=True),
+            lambda: resharding.all_gather_single(flat, mine, group=group, async_op=True),
             f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
             f"{shard.chunk} from each rank)",
             gathers_one_at_a_time(flat.device))
@@ -336,7 +328,8 @@ class ShardedUpdate:
         del optimizer_step, again
         self._settle()
         hyperparameters = self.snapshot()
-        without = frozenset(f.slot for fragments, params in zip(self._fragments, self._bucket_params, strict=True)
+        cut = self._cut
+        without = frozenset(f.slot for fragments, params in zip(cut.fragments, cut.bucket_params, strict=True)
                             for f, _ in fragments if params[f.position].grad is None)
         for bucket in self.update_order:
             self.update(bucket, hyperparameters, without, None)
@@ -356,17 +349,17 @@ class ShardedUpdate:
 
     def drop_fetched(self) -> None:
         """After ``state_dict()`` (or a copy): the whole state leaves the optimizer again."""
-        for params in self._bucket_params:
+        for params in self._cut.bucket_params:
             for param in params:
                 self._optimizer.state.pop(param, None)
 
     def push_optimizer_state(self) -> None:
         """After ``optimizer.load_state_dict()``: keep this rank's fragments of the loaded state
         (before the first layout, the state waits in the optimizer, where `attach` takes it)."""
-        if not self._shards:
+        if not self._cut.shards:
             return
         loaded = self._take_optimizer_state()
-        for fragments, params in zip(self._fragments, self._bucket_params, strict=True):
+        for fragments, params in zip(self._cut.fragments, self._cut.bucket_params, strict=True):
             for fragment, piece in fragments:
                 self._state.pop(piece, None)
                 full = loaded.get(params[fragment.position])
@@ -380,91 +373,30 @@ class ShardedUpdate:
         """Each rank writes its own fragments with ``torch.distributed.checkpoint`` (collective);
         see `commsched.update.sharded_checkpoint`."""
         self._settle()
-        pieces, scalars = self._pieces(template=False)
-        sharded_checkpoint.save(pieces, scalars, self._param_groups(), checkpoint_id, self._group_after_gathers())
+        pieces, scalars = sharded_checkpoint.pieces(self._cut, self._state, self._kinds, template=False)
+        sharded_checkpoint.save(pieces, scalars, sharded_checkpoint.param_groups(self._optimizer), checkpoint_id,
+                                self._group_after_gathers())
 
     def load(self, checkpoint_id: str | os.PathLike) -> None:
         """Each rank reads its own fragments of what `save` wrote, in any world size and
         layout (collective). Before the first forward pass there are no buckets yet: it happens
         once they exist."""
         self._settle()
-        if not self._shards:
+        if not self._cut.shards:
             self._pending_load = checkpoint_id
             return
-        pieces, scalars = self._pieces(template=True)
-        loaded, param_groups = sharded_checkpoint.load(pieces, scalars, self._param_groups(), checkpoint_id,
+        pieces, scalars = sharded_checkpoint.pieces(self._cut, self._state, self._kinds, template=True)
+        groups = sharded_checkpoint.param_groups(self._optimizer)
+        loaded, param_groups = sharded_checkpoint.load(pieces, scalars, groups, checkpoint_id,
                                                        self._group_after_gathers())
         torch.optim.Optimizer.load_state_dict(self._optimizer, {"state": {}, "param_groups": param_groups})
-        where = self._fragment_names()
+        where = sharded_checkpoint.fragment_names(self._cut, self._kinds)
         self._state = defaultdict(dict)
         for name, value in loaded.items():
             for piece, key in where.get(name, ()):
                 self._state[piece][key] = value.clone()
         if self._updater is not None:
             self._updater.state = self._state
-
-    def _pieces(self, template: bool) -> tuple[list[sharded_checkpoint.Piece], dict[str, torch.Tensor]]:
-        """Per parameter and state tensor, this rank's fragment and every rank's; the scalars.
-        ``template``: zeros for every state the optimizer may hold (to load into), else what it holds."""
-        index_of = self._param_indices()
-        pieces, scalars = [], {}
-        for shard, params, fragments in zip(self._shards, self._bucket_params, self._fragments, strict=True):
-            everyone = [shard_bucket(shard.bucket, range(len(params)), [p.numel() for p in params], rank,
-                                     shard.world_size).fragments for rank in range(shard.world_size)]
-            whole = shard.bucket == self._whole_bucket
-            # Every rank holds the whole bucket's state: rank 0 writes it, every rank reads it whole.
-            mine = ({} if whole and not template and self._rank != 0 else
-                    {fragment.position: (fragment, piece) for fragment, piece in fragments})
-            for position, param in enumerate(params):
-                group = self._group_of.get(id(param))
-                if group is None:
-                    continue
-                index = index_of[id(param)]
-                chunks = tuple((rank, f.start, f.numel) for rank, owned in enumerate(everyone)
-                               for f in owned if f.position == position)
-                fragment, piece = mine.get(position, (None, None))
-                state = {} if piece is None else self._state.get(piece, {})
-                keys = self._keys_of_group(group) if template else [k for k, v in state.items() if v.dim() > 0]
-                for key in keys:
-                    local = None
-                    if piece is not None:
-                        local = (fragment.start, torch.zeros_like(piece) if template else state[key])
-                    pieces.append(sharded_checkpoint.Piece(f"state.{index}.{key}", param.numel(), local, chunks,
-                                                           whole=whole))
-                if piece is not None and self._kind != "sgd":
-                    if template:
-                        scalars[f"state.{index}.step"] = torch.zeros((), dtype=torch.float32)
-                    elif "step" in state:
-                        scalars[f"state.{index}.step"] = state["step"].detach().cpu()
-        return pieces, scalars
-
-    def _fragment_names(self) -> dict[str, list[tuple[torch.Tensor, str]]]:
-        """Where each name of `_pieces` goes: this rank's fragments and the state key."""
-        index_of = self._param_indices()
-        where: dict[str, list[tuple[torch.Tensor, str]]] = defaultdict(list)
-        for params, fragments in zip(self._bucket_params, self._fragments, strict=True):
-            for fragment, piece in fragments:
-                param = params[fragment.position]
-                group = self._group_of.get(id(param))
-                if group is None:
-                    continue
-                for key in (*self._keys_of_group(group), *(("step",) if self._kind != "sgd" else ())):
-                    where[f"state.{index_of[id(param)]}.{key}"].append((piece, key))
-        return where
-
-    def _param_indices(self) -> dict[int, int]:
-        """Each parameter's index in torch.optim's state dict (param groups in order)."""
-        return {id(p): i for i, p in enumerate(p for group in self._optimizer.param_groups for p in group["params"])}
-
-    def _param_groups(self) -> list[dict[str, Any]]:
-        """torch.optim's param groups, as its state dict holds them (no state: nothing is gathered)."""
-        groups, start = [], 0
-        for group in self._optimizer.param_groups:
-            packed = {key: value for key, value in group.items() if key != "params"}
-            packed["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            groups.append(packed)
-        return groups
 
     def close(self) -> None:
         """``commsched.release``: the optimizer gets its whole state back and steps on its own."""
@@ -477,12 +409,12 @@ class ShardedUpdate:
         not updated in yet, the chunks it will have: see [Note: a new layout is cut after the
         backward pass])."""
         pending = self._pending_cut
-        shards = self._shards if pending is None else pending.shards
+        shards = self._cut.shards if pending is None else pending.shards
         if not shards:
             return None
         held = list(self._state.values())
         if pending is None:
-            rank, world_size, whole = self._rank, self._world_size, self._whole_bucket
+            rank, world_size, whole = self._cut.rank, self._cut.world_size, self._cut.whole_bucket
         else:
             rank, world_size, whole = pending.rank, pending.world_size, pending.whole_bucket
             # Before the first layout's move, the state is still the optimizer's.
@@ -495,137 +427,26 @@ class ShardedUpdate:
     def _take_optimizer_state(self) -> FullState:
         """The optimizer's own per-parameter state (loaded, or made before prepare()), moved out of it."""
         state = self._optimizer.state
-        taken = {param: state.pop(param) for param in list(state) if id(param) in self._group_of and state[param]}
+        taken = {param: state.pop(param) for param in list(state) if id(param) in self._kinds.group_of and state[param]}
         return taken
 
     def _gather_state(self) -> FullState:
         """Every parameter's whole state, on every rank (collective), in tensors of its own."""
         self._settle()
         self._wait_all_updated()
-        return {param: {key: value.clone() for key, value in state.items()}
-                for bucket in range(len(self._shards)) for param, state in self._gather_bucket(bucket).items()}
-
-    def _reshard_state(self, bucket_params: Sequence[Sequence[torch.nn.Parameter]],
-                       shards: Sequence[BucketShard]) -> FragmentStates:
-        """This rank's fragments of the state in a new layout (collective): each old bucket's state
-        moved a piece at a time, its old fragments let go before the next ([Note: resharding one
-        bucket at a time] in `commsched.update.resharding`)."""
-        self._wait_all_updated()
-        targets = resharding.new_fragments_by_param(bucket_params, shards)
-        state: FragmentStates = {}
-        for bucket in range(len(self._shards)):
-            self._move_bucket_state(bucket, targets, state)
-            for _, piece in self._fragments[bucket]:
-                self._state.pop(piece, None)
-        return state
-
-    def _move_bucket_state(self, bucket: int, targets: resharding.NewFragments, state: FragmentStates) -> None:
-        """Old ``bucket``'s state into the new fragments (``targets``) that hold it, in ``state``, one
-        kind at a time: each kind's new tensors are made just before it moves, its old ones let go
-        right after, so the bucket's state exists about once, not twice."""
-        shard, flat, params = self._shards[bucket], self._flats[bucket], self._bucket_params[bucket]
-        has_state, steps = self._presence(bucket)
-        receivers = []
-        for position, param in enumerate(params):
-            if not has_state[position] or id(param) not in self._group_of:
-                continue
-            keys = self._keys_of_group(self._group_of[id(param)])
-            for fragment_key, fragment in targets.get(id(param), ()):
-                entry = state.setdefault(fragment_key, {})
-                if self._kind != "sgd":
-                    entry["step"] = torch.tensor(steps[position], dtype=torch.float32)
-                receivers.append((entry, fragment.numel, keys, param.dtype))
         group = self._group_after_gathers()
-        stretch = resharding.piece_elements(flat.element_size(), shard.world_size)
-        for key in self._state_keys(params):
-            for entry, numel, keys, dtype in receivers:
-                if key in keys:
-                    entry[key] = torch.zeros(numel, dtype=dtype, device=flat.device)
-
-            def gather(mine: torch.Tensor, key: str = key) -> torch.Tensor:
-                gathered = torch.empty(mine.numel() * shard.world_size, dtype=mine.dtype, device=mine.device)
-                self._wait(all_gather_single(gathered, mine, group=group, async_op=True),
-                           f"the all-gather of optimizer state {key!r}")
-                return gathered
-
-            resharding.move_kind(key, shard, [(fragment, self._state.get(piece, {}).get(key))
-                                              for fragment, piece in self._fragments[bucket]],
-                                 flat, params, targets, state, stretch, gather)
-            for _, piece in self._fragments[bucket]:
-                self._state.get(piece, {}).pop(key, None)
+        return {param: {key: value.clone() for key, value in state.items()}
+                for bucket in range(len(self._cut.shards))
+                for param, state in resharding.gather_bucket(self._cut, self._state, self._kinds, bucket, group,
+                                                             self._wait).items()}
 
     def _wait_all_updated(self) -> None:
         for bucket in list(self._gathers):
             self.wait_updated(bucket)
 
-    def _presence(self, bucket: int) -> tuple[list[float], list[float]]:
-        """Per parameter of ``bucket``, whether some rank holds state for it, and its step
-        (collective: one all-reduce)."""
-        shard, params = self._shards[bucket], self._bucket_params[bucket]
-        presence = torch.zeros(2 * len(params), dtype=torch.float64, device=self._flats[bucket].device)
-        for fragment, piece in self._fragments[bucket]:
-            state = self._state.get(piece)
-            if state:
-                presence[fragment.position] = 1
-                step = state.get("step")
-                presence[len(params) + fragment.position] = float(step) if step is not None else 0.0
-        if shard.world_size > 1:
-            self._wait(dist.all_reduce(presence, op=dist.ReduceOp.MAX, group=self._group_after_gathers(),
-                                       async_op=True), "the all-reduce of which parameters have optimizer state")
-        return presence[:len(params)].tolist(), presence[len(params):].tolist()
-
-    def _gather_bucket(self, bucket: int) -> FullState:
-        """The whole state of ``bucket``'s parameters, on every rank (collective): one all-gather
-        per kind of state tensor, and one all-reduce of which parameters have state and their
-        step. The tensors are views into one buffer per kind."""
-        group = self._group_after_gathers()
-        shard, flat, params, fragments = (self._shards[bucket], self._flats[bucket], self._bucket_params[bucket],
-                                          self._fragments[bucket])
-        gathered: FullState = {}
-        device = flat.device
-        has_state, steps = self._presence(bucket)
-        keys = self._state_keys(params)
-        offsets = resharding.back_to_back_offsets(params)
-        tensors: dict[str, torch.Tensor] = {}
-        for key in keys:
-            full = torch.zeros(shard.padded_numel, dtype=flat.dtype, device=device)
-            for fragment, piece in fragments:
-                value = self._state.get(piece, {}).get(key)
-                if value is not None:
-                    full[fragment.bucket_offset:fragment.bucket_offset + fragment.numel].copy_(value)
-            if shard.world_size > 1:
-                mine = full[shard.start:shard.start + shard.chunk]
-                self._wait(all_gather_single(full, mine, group=group, async_op=True),
-                           f"the all-gather of optimizer state {key!r}")
-            tensors[key] = full
-        for position, param in enumerate(params):
-            if not has_state[position] or id(param) not in self._group_of:
-                continue
-            group_keys = self._keys_of_group(self._group_of[id(param)])
-            state = {key: view_like(tensors[key], offsets[position], param) for key in group_keys}
-            if self._kind != "sgd":
-                state["step"] = torch.tensor(steps[position], dtype=torch.float32)
-            gathered[param] = state
-        return gathered
-
     def _wait(self, work: dist.Work, what: str) -> None:
         wait_or_raise(work, self._timeout_s, f"{what} (sharded optimizer state; every rank must take part: "
                                              "optimizer.state_dict() and commsched.release() are collective)")
-
-    def _keys_of_group(self, group: int) -> tuple[str, ...]:
-        options = self._optimizer.param_groups[group]
-        if self._kind == "sgd":
-            return ("momentum_buffer",) if options["momentum"] != 0 else ()
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if options["amsgrad"] else ("exp_avg", "exp_avg_sq")
-
-    def _state_keys(self, params: Sequence[torch.nn.Parameter]) -> list[str]:
-        keys: list[str] = []
-        for param in params:
-            group = self._group_of.get(id(param))
-            if group is not None:
-                keys.extend(key for key in self._keys_of_group(group) if key not in keys)
-        return keys
-
 
 def _whole_bucket(layout: GradLayout, order: Sequence[int]) -> int | None:
     """The bucket every rank updates whole, if any: see [Note: the first bucket is not sharded]."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from commsched.layout.shards import shard_bucket
+from commsched.update.sharded_layout import ShardCut, StateKinds
 
 PARAM_GROUPS_KEY = "param_groups"
 
@@ -104,3 +108,67 @@ def _sharded_tensors_allowed() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
+
+
+# ------------------------------------------------------------- naming
+def pieces(cut: ShardCut, state: Mapping[torch.Tensor, dict[str, Any]], kinds: StateKinds,
+           template: bool) -> tuple[list[Piece], dict[str, torch.Tensor]]:
+    """Per parameter and state tensor, this rank's fragment and every rank's; the scalars, by the
+    names of torch.optim's state dict. ``state``: per fragment (its view), its state;
+    ``template``: zeros for every state the optimizer may hold (to load into), else what it holds."""
+    index_of = kinds.param_indices()
+    found, scalars = [], {}
+    for shard, params, fragments in zip(cut.shards, cut.bucket_params, cut.fragments, strict=True):
+        everyone = [shard_bucket(shard.bucket, range(len(params)), [p.numel() for p in params], rank,
+                                 shard.world_size).fragments for rank in range(shard.world_size)]
+        whole = shard.bucket == cut.whole_bucket
+        # Every rank holds the whole bucket's state: rank 0 writes it, every rank reads it whole.
+        mine = ({} if whole and not template and cut.rank != 0 else
+                {fragment.position: (fragment, piece) for fragment, piece in fragments})
+        for position, param in enumerate(params):
+            group_keys = kinds.keys_of(param)
+            if group_keys is None:
+                continue
+            index = index_of[id(param)]
+            chunks = tuple((rank, f.start, f.numel) for rank, owned in enumerate(everyone)
+                           for f in owned if f.position == position)
+            fragment, piece = mine.get(position, (None, None))
+            held = {} if piece is None else state.get(piece, {})
+            keys = group_keys if template else [k for k, v in held.items() if v.dim() > 0]
+            for key in keys:
+                local = None
+                if piece is not None:
+                    local = (fragment.start, torch.zeros_like(piece) if template else held[key])
+                found.append(Piece(f"state.{index}.{key}", param.numel(), local, chunks, whole=whole))
+            if piece is not None and kinds.has_step:
+                if template:
+                    scalars[f"state.{index}.step"] = torch.zeros((), dtype=torch.float32)
+                elif "step" in held:
+                    scalars[f"state.{index}.step"] = held["step"].detach().cpu()
+    return found, scalars
+
+
+def fragment_names(cut: ShardCut, kinds: StateKinds) -> dict[str, list[tuple[torch.Tensor, str]]]:
+    """Where each name of `pieces` goes: this rank's fragments (their views) and the state key."""
+    index_of = kinds.param_indices()
+    where: dict[str, list[tuple[torch.Tensor, str]]] = defaultdict(list)
+    for params, fragments in zip(cut.bucket_params, cut.fragments, strict=True):
+        for fragment, piece in fragments:
+            param = params[fragment.position]
+            keys = kinds.keys_of(param)
+            if keys is None:
+                continue
+            for key in (*keys, *(("step",) if kinds.has_step else ())):
+                where[f"state.{index_of[id(param)]}.{key}"].append((piece, key))
+    return where
+
+
+def param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """torch.optim's param groups, as its state dict holds them (no state: nothing is gathered)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        packed = {key: value for key, value in group.items() if key != "params"}
+        packed["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        groups.append(packed)
+    return groups
