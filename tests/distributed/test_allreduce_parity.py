@@ -20,112 +20,26 @@ from commsched.testing import (
     OPTIMIZERS,
     assert_equal_on_all_ranks,
     assert_same_parameters,
-    one_process_backward,
-    one_process_step,
-    reference_copy,
     run_subtests,
 )
 from commsched.testing.models import BatchNormNet, ParityNet
+from commsched.testing.parity import (
+    ITERATIONS,
+    PARITY_OPTIMIZERS,
+    PER_RANK_BATCH,
+    batches,
+    case_matches_single_process,
+    case_no_sync_accumulation,
+    fresh_pair,
+    rank_slice,
+    reference_backward,
+    reference_step,
+    uses_aux,
+)
+from commsched.testing.parity import PARITY_STRATEGIES as STRATEGIES
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
-
-PER_RANK_BATCH = 4
-ITERATIONS = 6
-
-PARITY_OPTIMIZERS = ("sgd_dampening", "sgd_nesterov", "adam", "adamw")
-"""The optimizers of the parity grid, by their names in `commsched.testing.OPTIMIZERS`."""
-
-STRATEGIES = {
-    "default": commsched.Strategy(),
-    "one_bucket_per_tensor": commsched.Strategy(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
-    "small_buckets": commsched.Strategy(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
-}
-
-
-def uses_aux(iteration: int, rank: int) -> bool:
-    """aux is unused on some ranks in some iterations, and on every rank in iteration 3."""
-    return iteration % 4 != 3 and (iteration + rank) % 3 != 0
-
-
-def batches(world_size: int, iterations: int = ITERATIONS):
-    generator = torch.Generator().manual_seed(1234)
-    for _ in range(iterations):
-        n = world_size * PER_RANK_BATCH
-        yield torch.randn(n, 8, generator=generator), torch.randn(n, 4, generator=generator)
-
-
-def rank_slice(rank: int) -> slice:
-    return slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-
-
-def share_loss(model, x, y, iteration):
-    """``loss_of_share(r)``: rank ``r``'s loss on its slice, routed as rank ``r`` routes it
-    (so unused-parameter patterns match)."""
-    return lambda r: F.mse_loss(model(x[rank_slice(r)], use_aux=uses_aux(iteration, r)), y[rank_slice(r)])
-
-
-def reference_backward(model, x, y, iteration, world_size):
-    """Single-process backward on the concatenated batch (`commsched.testing.one_process_backward`)."""
-    one_process_backward(share_loss(model, x, y, iteration), world_size)
-
-
-def local_step(model, optimizer, x, y, iteration, rank, set_to_none=True):
-    """One distributed training step on this rank's slice of the batch."""
-    share_loss(model, x, y, iteration)(rank).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=set_to_none)
-
-
-def reference_step(model, optimizer, x, y, iteration, world_size, set_to_none=True):
-    """One step of single-process training on the concatenated batch (`commsched.testing.one_process_step`)."""
-    one_process_step(optimizer, share_loss(model, x, y, iteration), world_size, set_to_none=set_to_none)
-
-
-def fresh_pair(optimizer_name: str, model_cls=ParityNet):
-    """A model, its optimizer, and the single-process reference: a copy and an optimizer of its own."""
-    torch.manual_seed(0)
-    model = model_cls()
-    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
-    return model, OPTIMIZERS[optimizer_name](model.parameters()), reference, reference_optimizer
-
-
-def case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none):
-    """Returns the prepared model (not released)."""
-    model, optimizer, reference, reference_optimizer = fresh_pair(optimizer_name)
-    model, optimizer = commsched.prepare(model, optimizer, strategy)
-    for iteration, (x, y) in enumerate(batches(world_size)):
-        local_step(model, optimizer, x, y, iteration, rank, set_to_none)
-        reference_step(reference, reference_optimizer, x, y, iteration, world_size, set_to_none)
-    assert_same_parameters(model, reference)
-    assert_equal_on_all_ranks(model)
-    if set_to_none:
-        assert model.never_used.weight.grad is None
-    return model
-
-
-def case_no_sync_accumulation(rank, world_size, micro_steps=3, steps=2, strategy=None):
-    """Gradients accumulated under no_sync, reduced once by the last backward. Returns the model."""
-    model, optimizer, reference, reference_optimizer = fresh_pair("adamw")
-    model, optimizer = commsched.prepare(model, optimizer, strategy or commsched.Strategy(bucket_cap_mb=0.002))
-    data = list(batches(world_size, iterations=steps * micro_steps))
-    for start in range(0, len(data), micro_steps):
-        for k in range(micro_steps):
-            x, y = data[start + k]
-            mine = rank_slice(rank)
-            last = k == micro_steps - 1
-            context = model.no_sync() if not last else torch.enable_grad()
-            with context:
-                F.mse_loss(model(x[mine], use_aux=uses_aux(start + k, rank)), y[mine]).backward()
-            reference_backward(reference, x, y, start + k, world_size)
-        optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-    assert_same_parameters(model, reference)
-    assert_equal_on_all_ranks(model)
-    return model
-
 
 def case_backward_twice_without_step(rank, world_size):
     """Two backward passes before one step accumulate, as in single-process training."""

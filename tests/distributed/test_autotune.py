@@ -29,8 +29,14 @@ from commsched.testing import (
     run_subtests,
 )
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import batches, case_no_sync_accumulation, local_step, reference_step
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB
+from commsched.testing.parity import (
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
+    batches,
+    case_no_sync_accumulation,
+    local_step,
+    reference_step,
+)
 from tests.distributed.test_training_loops import PER_RANK, CheckpointedNet, norm_penalty
 from tests.shared_ranks import in_shared_ranks
 

@@ -29,7 +29,7 @@ from commsched.testing import (
     run_subtests,
 )
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import batches, rank_slice, reference_step, uses_aux
+from commsched.testing.parity import batches, rank_slice, reference_step, uses_aux
 from tests.distributed.test_mixed_precision import case as scaled_case
 from tests.shared_ranks import in_shared_ranks
 

@@ -34,7 +34,7 @@ from commsched.testing import OPTIMIZERS, assert_same_parameters, one_process_lo
 from commsched.testing.models import ParityNet
 from commsched.update.fused import FUSED_DTYPES
 from commsched.update.grad_scaling import GRAD_SCALER_REASON
-from tests.distributed.test_allreduce_parity import batches, rank_slice, uses_aux
+from commsched.testing.parity import batches, rank_slice, uses_aux
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

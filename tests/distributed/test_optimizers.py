@@ -28,7 +28,7 @@ from commsched.testing import (
     run_subtests,
 )
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import batches, rank_slice, reference_backward, uses_aux
+from commsched.testing.parity import batches, rank_slice, reference_backward, uses_aux
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

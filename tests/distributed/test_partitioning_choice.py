@@ -33,7 +33,10 @@ from commsched.testing import (
 from commsched.testing.models import ParityNet
 from commsched.tuning import confirmation
 from commsched.tuning.controller import SETTLE_ITERATIONS
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing.parity import (
+    SCHEDULING_OPTIMIZERS,
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
     batches,
     case_no_sync_accumulation,
     local_step,
@@ -41,7 +44,6 @@ from tests.distributed.test_allreduce_parity import (
     reference_step,
     share_loss,
 )
-from tests.distributed.test_scheduling import SCHEDULING_OPTIMIZERS, TINY_CREDIT_MB, TINY_PARTITION_MB
 from tests.distributed.test_training_loops import LOOPS, CheckpointedNet, train
 from tests.shared_ranks import in_shared_ranks
 

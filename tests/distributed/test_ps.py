@@ -22,7 +22,7 @@ import commsched
 from commsched.api import ServingFinished
 from commsched.testing import OPTIMIZERS, one_process_backward, reference_copy, run_subtests
 from commsched.testing.models import BatchNormNet
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing.parity import (
     PARITY_OPTIMIZERS,
     batches,
     fresh_pair,

@@ -24,8 +24,10 @@ from commsched.bench.memory import fix_mmap_threshold
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, run_subtests
 from commsched.watch.guards import GRADIENTS_CHANGED_REASON
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing.parity import (
     PARITY_OPTIMIZERS,
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
     batches,
     case_matches_single_process,
     case_no_sync_accumulation,
@@ -34,11 +36,11 @@ from tests.distributed.test_allreduce_parity import (
     rank_slice,
     reference_backward,
     reference_step,
+    train_and_compare,
     uses_aux,
 )
 from tests.distributed.test_join import batch_counts
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, train_and_compare
 from tests.distributed.test_sharded import case_autotune_switch_points, case_uneven_inputs_under_join, resident_mib
 from tests.distributed.test_training_loops import LOOPS
 from tests.distributed.test_training_loops import case as loop_case

@@ -6,8 +6,6 @@ import copy
 import functools
 import itertools
 import logging
-import random
-import time
 
 import pytest
 import torch
@@ -19,26 +17,28 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import (
     OPTIMIZERS,
-    assert_equal_on_all_ranks,
     assert_same_parameters,
     one_process_step,
     reference_copy,
     run_subtests,
 )
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import batches, rank_slice, reference_step, uses_aux
+from commsched.testing.parity import (
+    SCHEDULING_OPTIMIZERS,
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
+    batches,
+    random_delays,
+    rank_slice,
+    reference_step,
+    train_and_compare,
+    uses_aux,
+)
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
 ITERATIONS = WARMUP_ITERATIONS + 4  # several iterations with the plan and with overlap
-TINY_PARTITION_MB = 256 / 2**20     # cuts ParityNet's tensors into many partitions
-TINY_CREDIT_MB = 512 / 2**20
-
-SCHEDULING_OPTIMIZERS = ("sgd_nesterov", "adam", "adamw")
-"""The optimizers of the scheduling grid, by their names in `commsched.testing.OPTIMIZERS`."""
-
-
 def strategy_grid():
     for priority, partition, credit, overlap in itertools.product((False, True), repeat=4):
         name = f"priority={priority},partitions={partition},credit={credit},overlap={overlap}"
@@ -51,25 +51,6 @@ def strategy_grid():
             first_bucket_mb=0.001,
             adaptive=False,  # these very partitions after warm-up (the cost model: test_partitioning_choice)
         )
-
-
-def train_and_compare(rank, world_size, optimizer_name, strategy, iterations=ITERATIONS, delays=None, device="cpu"):
-    torch.manual_seed(0)
-    model = ParityNet().to(device)
-    reference, reference_optimizer = reference_copy(model, OPTIMIZERS[optimizer_name])
-    model, optimizer = commsched.prepare(model, OPTIMIZERS[optimizer_name](model.parameters()), strategy)
-    for iteration, (x, y) in enumerate(batches(world_size, iterations)):
-        x, y = x.to(device), y.to(device)
-        mine = rank_slice(rank)
-        if delays is not None:
-            delays(iteration)
-        F.mse_loss(model(x[mine], use_aux=uses_aux(iteration, rank)), y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reference_step(reference, reference_optimizer, x, y, iteration, world_size)
-    assert_same_parameters(model, reference)
-    assert_equal_on_all_ranks(model)
-    return model
 
 
 def scheduling_grid(rank: int, world_size: int, device: str = "cpu") -> None:
@@ -86,50 +67,6 @@ def scheduling_grid(rank: int, world_size: int, device: str = "cpu") -> None:
     for world_size in (2, 3)])
 def test_every_combination_matches_single_process(shared_ranks, world_size):
     shared_ranks.result()
-
-
-def random_delays(rank: int, world_size: int, device: str = "cpu", strategy: commsched.Strategy | None = None,
-                  iterations: int = 120) -> None:
-    """4 ranks, each with its own random compute delays in forward and backward:
-    issue timing differs everywhere, the agreed order must still hold."""
-    rng = random.Random(1000 + rank)
-    strategy = strategy or commsched.Strategy(
-        partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, bucket_cap_mb=0.004, first_bucket_mb=0.001
-    )
-    holder = {}
-
-    def delays(iteration):
-        model = holder.get("model")
-        if model is None:
-            return
-        holder["sleeps"] = {name: rng.random() < 0.3 for name in ("embed", "blocks", "head")}
-
-    def slow_forward(name):
-        def hook(module, args):
-            if holder.get("sleeps", {}).get(name):
-                time.sleep(rng.uniform(0, 0.004))
-        return hook
-
-    def slow_backward(name):
-        def hook(module, grad_input, grad_output):
-            if holder.get("sleeps", {}).get(name):
-                time.sleep(rng.uniform(0, 0.004))
-        return hook
-
-    original_prepare = commsched.prepare
-
-    def prepare_with_delays(model, optimizer, strategy):
-        for name in ("embed", "blocks", "head"):
-            getattr(model, name).register_forward_pre_hook(slow_forward(name))
-            getattr(model, name).register_full_backward_hook(slow_backward(name))
-        holder["model"] = model
-        return original_prepare(model, optimizer, strategy)
-
-    commsched.prepare = prepare_with_delays
-    try:
-        train_and_compare(rank, world_size, "adamw", strategy, iterations=iterations, delays=delays, device=device)
-    finally:
-        commsched.prepare = original_prepare
 
 
 @in_shared_ranks(random_delays, 4, timeout_s=400)

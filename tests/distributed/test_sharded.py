@@ -42,15 +42,19 @@ from commsched.testing import (
     run_subtests,
 )
 from commsched.testing.models import ParityNet
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing.parity import (
     PARITY_OPTIMIZERS,
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
     batches,
     case_matches_single_process,
     case_no_sync_accumulation,
     local_step,
+    random_delays,
     rank_slice,
     reference_backward,
     reference_step,
+    train_and_compare,
     uses_aux,
 )
 from tests.distributed.test_join import (
@@ -62,7 +66,6 @@ from tests.distributed.test_join import (
 )
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_mixed_precision import new_scaler
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, random_delays, train_and_compare
 from tests.distributed.test_training_loops import LOOPS
 from tests.distributed.test_training_loops import case as loop_case
 from tests.shared_ranks import in_shared_ranks

@@ -25,7 +25,7 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle
 from commsched.testing import assert_same_parameters, reference_copy, run_subtests
 from commsched.testing.models import BatchNormNet, ParityNet
-from tests.distributed.test_allreduce_parity import batches, local_step, rank_slice, reference_step
+from commsched.testing.parity import batches, local_step, rank_slice, reference_step
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

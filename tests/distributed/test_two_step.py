@@ -25,14 +25,16 @@ from commsched.comm.side_groups import exchange_group_for
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.planning import calibration
 from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, run_subtests
-from tests.distributed.test_allreduce_parity import (
+from commsched.testing.parity import (
+    TINY_CREDIT_MB,
+    TINY_PARTITION_MB,
     batches,
     case_matches_single_process,
     fresh_pair,
     local_step,
+    random_delays,
     reference_step,
 )
-from tests.distributed.test_scheduling import TINY_CREDIT_MB, TINY_PARTITION_MB, random_delays
 from tests.distributed.test_sharded import case_uneven_inputs_under_join
 from tests.shared_ranks import in_shared_ranks
 
