@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 
@@ -94,3 +95,49 @@ class TinyResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
+
+
+class CheckpointedNet(nn.Module):
+    """An MLP whose blocks may run under ``torch.utils.checkpoint``.
+
+    ``checkpointed``: which blocks recompute in backward ("middle": the two
+    hidden blocks; "last": the head too, so with reentrant checkpointing the
+    first gradients of each iteration come from a nested backward pass).
+    ``unused`` never gets a gradient, so the end of backward must be found.
+    """
+
+    def __init__(self, reentrant: bool | None = None, checkpointed: str = "middle"):
+        super().__init__()
+        self.reentrant, self.checkpointed = reentrant, checkpointed
+        self.embed = nn.Linear(8, 16)
+        self.b1 = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.b2 = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def _run(self, block: nn.Module, h: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+        if self.reentrant is None or not checkpointed:
+            return block(h)
+        return checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = self._run(self.b1, h, True)
+        h = self._run(self.b2, h, self.checkpointed == "middle")
+        return self._run(self.head, h, self.checkpointed == "last")
+
+
+class ReadsLateEarlyLater(nn.Module):
+    """Once ``read_late_first`` is set, the root reads ``late``'s bias before ``early`` and ``late``
+    run: in the first forward pass, no gate but ``late``'s own waits for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.early = nn.Linear(8, 8)
+        self.late = nn.Linear(8, 4)
+        self.read_late_first = False
+
+    def forward(self, x):
+        if self.read_late_first:
+            x = x + self.late.bias.mean()
+        return self.late(torch.relu(self.early(x)))

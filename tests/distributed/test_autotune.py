@@ -37,7 +37,8 @@ from commsched.testing.parity import (
     local_step,
     reference_step,
 )
-from tests.distributed.test_training_loops import PER_RANK, CheckpointedNet, norm_penalty
+from commsched.testing.loops import PER_RANK, norm_penalty
+from commsched.testing.models import CheckpointedNet
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 import commsched
 from commsched.testing import OPTIMIZERS, run_subtests
 from commsched.testing.models import BatchNormNet, ParityNet
-from tests.distributed.test_ps import prepare_or_serve
+from commsched.testing.servers import prepare_or_serve
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

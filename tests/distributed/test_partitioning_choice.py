@@ -44,7 +44,8 @@ from commsched.testing.parity import (
     reference_step,
     share_loss,
 )
-from tests.distributed.test_training_loops import LOOPS, CheckpointedNet, train
+from commsched.testing.loops import LOOPS, train
+from commsched.testing.models import CheckpointedNet
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

@@ -22,6 +22,7 @@ import commsched
 from commsched.api import ServingFinished
 from commsched.testing import OPTIMIZERS, one_process_backward, reference_copy, run_subtests
 from commsched.testing.models import BatchNormNet
+from commsched.testing.servers import prepare_or_serve as serving
 from commsched.testing.parity import (
     PARITY_OPTIMIZERS,
     batches,
@@ -47,19 +48,12 @@ PS_STRATEGIES = {
 }
 
 
-def prepare_or_serve(model, optimizer, num_servers, ps_mode="sync", ps_max_staleness=None, block_mb=0.5,
-                     **kwargs):
-    """prepare() with the PS backend on a worker; serve() on a server rank, then None."""
-    backend = commsched.ParameterServer(num_servers=num_servers, mode=ps_mode, max_staleness=ps_max_staleness,
-                                        block_mb=block_mb)
-    strategy = commsched.Strategy(backend=backend, **kwargs)
-    if commsched.is_server_rank(num_servers):
-        SERVER_REPORTS.append(commsched.serve(model, optimizer, strategy))
-        return None
-    return commsched.prepare(model, optimizer, strategy)
-
-
 SERVER_REPORTS: list = []
+"""What each server rank's serve() returned, in this rank's process."""
+
+
+def prepare_or_serve(model, optimizer, num_servers, **kwargs):
+    return serving(model, optimizer, num_servers, reports=SERVER_REPORTS, **kwargs)
 
 ONE_BLOCK_PER_TENSOR = {"bucket_cap_mb": 1e-6, "first_bucket_mb": 1e-6}
 """A Linear layer's weight and bias in a block each: with two servers, each holds one."""

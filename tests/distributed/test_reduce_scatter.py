@@ -39,11 +39,10 @@ from commsched.testing.parity import (
     train_and_compare,
     uses_aux,
 )
+from commsched.testing.loops import LOOPS, case as loop_case
 from tests.distributed.test_join import batch_counts
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_sharded import case_autotune_switch_points, case_uneven_inputs_under_join, resident_mib
-from tests.distributed.test_training_loops import LOOPS
-from tests.distributed.test_training_loops import case as loop_case
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

@@ -22,7 +22,7 @@ from commsched.testing import (
     reference_copy,
     run_subtests,
 )
-from commsched.testing.models import ParityNet
+from commsched.testing.models import ParityNet, ReadsLateEarlyLater
 from commsched.testing.parity import (
     SCHEDULING_OPTIMIZERS,
     TINY_CREDIT_MB,
@@ -232,22 +232,6 @@ def case_attention_waits_for_out_proj_itself(rank, world_size):
     attention(tokens, tokens, tokens)  # its gate releases its own parameters' updates, out_proj's too
     assert not torch.equal(attention.out_proj.weight, out_proj_before)
     optimizer.synchronize()
-
-
-class ReadsLateEarlyLater(nn.Module):
-    """Once ``read_late_first`` is set, the root reads ``late``'s bias before ``early`` and ``late``
-    run: in the first forward pass, no gate but ``late``'s own waits for it."""
-
-    def __init__(self):
-        super().__init__()
-        self.early = nn.Linear(8, 8)
-        self.late = nn.Linear(8, 4)
-        self.read_late_first = False
-
-    def forward(self, x):
-        if self.read_late_first:
-            x = x + self.late.bias.mean()
-        return self.late(torch.relu(self.early(x)))
 
 
 def case_control_flow_that_changes_in_warmup_is_gated_at_the_start(rank, world_size):

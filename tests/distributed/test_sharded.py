@@ -57,6 +57,7 @@ from commsched.testing.parity import (
     train_and_compare,
     uses_aux,
 )
+from commsched.testing.loops import LOOPS, case as loop_case
 from tests.distributed.test_join import (
     batch_counts,
     batches_of,
@@ -66,8 +67,6 @@ from tests.distributed.test_join import (
 )
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_mixed_precision import new_scaler
-from tests.distributed.test_training_loops import LOOPS
-from tests.distributed.test_training_loops import case as loop_case
 from tests.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from commsched.planning.cost_model import MIN_CONFIRMATION_MARGIN, Setting, cand
 from commsched.simulator import Cluster, DDPConfig, simulate
 from commsched.simulator.adoption import as_run, cost_model_choice
 from commsched.strategy import ParameterServer, Strategy
-from tests.unit.test_simulator import balanced_profile
+from commsched.testing.profiles import balanced_profile
 
 
 def test_a_large_ring_adopts_coarse_collectives_and_is_not_slower_than_ddp():

@@ -9,7 +9,7 @@ from torch import nn
 from commsched.layout.grad_layout import gating_modules
 from commsched.watch.first_forward import ForwardRecorder
 from commsched.watch.reads import ParameterReads
-from tests.distributed.test_scheduling import ReadsLateEarlyLater
+from commsched.testing.models import ReadsLateEarlyLater
 
 
 def record(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], dict[str, nn.Module]]:

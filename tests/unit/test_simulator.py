@@ -14,7 +14,7 @@ from commsched.layout.buckets import bucket_layout
 from commsched.layout.partitions import make_partitions
 from commsched.planning.schedule import LinkModel, simulate_schedule
 from commsched.planning.wire import Flight, Wire, wire_share
-from commsched.profiling.profile import LinkProfile, LinkSample, ParameterProfile, Profile
+from commsched.profiling.profile import LinkProfile, LinkSample, Profile
 from commsched.simulator import (
     Cluster,
     DDPConfig,
@@ -27,26 +27,10 @@ from commsched.simulator import (
 )
 from commsched.simulator.engine import first_bucket_pays
 from commsched.strategy import MIB, AllReduce, ParameterServer, Strategy
+from commsched.testing.profiles import balanced_profile, make_profile
 
 LITERAL = Strategy(adaptive=False)
 """commsched's defaults, taken literally."""
-
-
-def make_profile(sizes_mb, forward_s=0.05, backward_s=0.1, update_s=0.01, element_size=4) -> Profile:
-    """Parameters used in order by the forward pass, evenly over it; gradients ready in reverse,
-    evenly over the backward pass (the first parameter's last, when the backward pass ends)."""
-    count = len(sizes_mb)
-    params = tuple(
-        ParameterProfile(f"layer{i}", max(1, int(mb * MIB) // element_size), element_size,
-                         forward_s * i / count, backward_s * (count - i) / count)
-        for i, mb in enumerate(sizes_mb)
-    )
-    return Profile("synthetic", "cpu", 8, forward_s, backward_s, update_s, params)
-
-
-def balanced_profile(**overrides) -> Profile:
-    """20 layers from 0.1 MiB at the input to 8 MiB at the output (about 60 MiB)."""
-    return make_profile([0.1 + 7.9 * (i / 19) ** 2 for i in range(20)], **overrides)
 
 
 def compute_s(profile: Profile) -> float:
