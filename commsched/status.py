@@ -34,6 +34,8 @@ class BucketStatus:
     """The dtype it is summed in across ranks: its own, or `commsched.Strategy.reduce_dtype`'s."""
     wire_nbytes: int = 0
     """Bytes it puts on the wire per all-reduce (``nbytes`` unless summed in another dtype)."""
+    partition_nbytes: tuple[int, ...] = ()
+    """Each of its partitions' bytes on the wire, in order."""
     averaged: tuple[int, int] | None = None
     """Where it is reduce-scattered: the elements of its gradients that hold the average on this
     rank once reduced (None: all-reduced, every element)."""
@@ -179,15 +181,17 @@ def reducer_status(reducer: GradientReducer) -> Status:
     buckets: tuple[BucketStatus, ...] = ()
     if layout is not None:
         counts = [0] * len(layout.buckets)
+        sizes: list[list[int]] = [[] for _ in layout.buckets]
         for partition in layout.partitions:
             counts[partition.bucket] += 1
+            sizes[partition.bucket].append(partition.nbytes)
         scatter = reducer.transport.scatter
         buckets = tuple(
             BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, _dtype_name(b.dtype),
-                         priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes,
+                         priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes, tuple(nbytes),
                          None if scatter is None or b.index not in scatter.scattered else scatter.averaged_range(b))
-            for b, slots, priority, count in zip(layout.buckets, layout.bucket_slots, layout.priorities, counts,
-                                                 strict=True)
+            for b, slots, priority, count, nbytes in zip(layout.buckets, layout.bucket_slots, layout.priorities,
+                                                         counts, sizes, strict=True)
         )
     if plan is None:
         plan_text = "none yet (the first forward pass records the order)"

@@ -88,12 +88,11 @@ def assert_scattering(model) -> None:
 def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
     """Single-process parameters, with every bucket but the first reduce-scattered after warm-up."""
     model = case_matches_single_process(rank, world_size, optimizer_name, strategy, set_to_none)
-    layout = model._commsched_reducer.layout
-    assert scattered_buckets(model) == frozenset(range(len(layout.buckets))) - {layout.flags_bucket}
-    scattered_bytes = sum(layout.buckets[b].nbytes for b in scattered_buckets(model))
-    if strategy.adaptive is False or strategy.priority is False:  # the cost model keeps its hands off
-        assert scattered_bytes > layout.buckets[layout.flags_bucket].nbytes, commsched.status(model).buckets
     status = commsched.status(model)
+    assert scattered_buckets(model) == frozenset(range(len(status.buckets))) - {status.flags_bucket}
+    scattered_bytes = sum(status.buckets[b].nbytes for b in scattered_buckets(model))
+    if strategy.adaptive is False or strategy.priority is False:  # the cost model keeps its hands off
+        assert scattered_bytes > status.buckets[status.flags_bucket].nbytes, status.buckets
     assert "reduce-scatter" in status.transport and status.reduce_scatter_off_reason is None
     commsched.release(model)
 
