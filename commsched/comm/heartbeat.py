@@ -209,12 +209,14 @@ atexit.register(_RUNNING.end_all)  # registered at import, before any model's ow
 
 _HEARTBEATS: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 """This process's heartbeats, each noting this rank's communication errors for its peers."""
-on_communication_failure(lambda what: _note_failure_in_every_heartbeat(what))
 
 
 def _note_failure_in_every_heartbeat(what: str) -> None:
     for heartbeat in list(_HEARTBEATS):
         heartbeat.note_failure(what)
+
+
+on_communication_failure(_note_failure_in_every_heartbeat)
 
 
 class Heartbeat:
