@@ -21,7 +21,7 @@ from commsched import ParameterServer, Strategy
 from commsched.comm.side_groups import takes_cpu_tensors
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -37,7 +37,7 @@ from commsched.testing.parity import (
     uses_aux,
 )
 from commsched.testing.parity import PARITY_STRATEGIES as STRATEGIES
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

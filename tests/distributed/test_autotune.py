@@ -39,7 +39,7 @@ from commsched.testing.parity import (
 )
 from commsched.testing.loops import PER_RANK, norm_penalty
 from commsched.testing.models import CheckpointedNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

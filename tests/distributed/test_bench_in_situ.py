@@ -8,7 +8,7 @@ from commsched.bench.compare import ComparisonConfig
 from commsched.bench.in_situ import profile_on_rank
 from commsched.bench.models import WORKLOADS
 from commsched.profiling.profile import Profile
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

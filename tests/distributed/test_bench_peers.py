@@ -20,7 +20,7 @@ from commsched.bench.peers import build, fsdp2_units, sgd
 from commsched.bench.server_link import server_link_on_rank
 from commsched.bench.systems import UNSCHEDULED, Commsched, TorchDDP, TorchFSDP2
 from commsched.strategy import Strategy
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -31,7 +31,7 @@ from commsched.testing import (
 from commsched.testing.models import ParityNet
 from commsched.testing.parity import batches, rank_slice, reference_step, uses_aux
 from tests.distributed.test_mixed_precision import case as scaled_case
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 import commsched
 from commsched.testing import OPTIMIZERS, one_process_step, reference_copy, run_subtests
 from commsched.testing.models import TinyResNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -28,7 +28,7 @@ from commsched.testing import OPTIMIZERS, assert_same_parameters, run_subtests
 from commsched.testing.models import ParityNet
 from commsched.testing.parity import batches, local_step, rank_slice, reference_step, uses_aux
 from commsched.testing.parity import fresh_pair as parity_pair
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

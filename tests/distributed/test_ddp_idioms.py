@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle
 from commsched.testing import run_subtests
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from commsched.comm.heartbeat import Heartbeat
 from commsched.testing.launch import rank_store
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

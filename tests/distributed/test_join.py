@@ -14,7 +14,7 @@ import commsched
 from commsched.testing import OPTIMIZERS, run_subtests
 from commsched.testing.models import BatchNormNet, ParityNet
 from commsched.testing.servers import prepare_or_serve
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

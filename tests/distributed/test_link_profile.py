@@ -10,7 +10,7 @@ from torch import nn
 
 from commsched.profiling.link import measure_link, profile_on_group
 from commsched.testing import run_subtests
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -15,7 +15,7 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -35,7 +35,7 @@ from commsched.testing.models import ParityNet
 from commsched.update.fused import FUSED_DTYPES
 from commsched.update.grad_scaling import GRAD_SCALER_REASON
 from commsched.testing.parity import batches, rank_slice, uses_aux
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -29,7 +29,7 @@ from commsched.testing import (
 )
 from commsched.testing.models import ParityNet
 from commsched.testing.parity import batches, rank_slice, reference_backward, uses_aux
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -46,7 +46,7 @@ from commsched.testing.parity import (
 )
 from commsched.testing.loops import LOOPS, train
 from commsched.testing.models import CheckpointedNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

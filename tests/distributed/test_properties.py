@@ -38,7 +38,7 @@ import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.strategy import MAX_SIZE_MB, MIN_BUCKET_MB, MIN_PARTITION_MB
 from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters, one_process_backward, reference_copy
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -33,7 +33,7 @@ from commsched.testing.parity import (
     reference_step,
     uses_aux,
 )
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -43,7 +43,7 @@ from commsched.testing.loops import LOOPS, case as loop_case
 from tests.distributed.test_join import batch_counts
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_sharded import case_autotune_switch_points, case_uneven_inputs_under_join, resident_mib
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -34,7 +34,7 @@ from commsched.testing.parity import (
     train_and_compare,
     uses_aux,
 )
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -67,7 +67,7 @@ from tests.distributed.test_join import (
 )
 from tests.distributed.test_mixed_precision import case as mixed_precision_case
 from tests.distributed.test_mixed_precision import new_scaler
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

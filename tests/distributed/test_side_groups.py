@@ -16,7 +16,7 @@ import commsched
 from commsched.comm import side_groups as control
 from commsched.testing import OPTIMIZERS
 from commsched.testing.models import BatchNormNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

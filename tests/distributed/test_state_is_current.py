@@ -26,7 +26,7 @@ from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle
 from commsched.testing import assert_same_parameters, reference_copy, run_subtests
 from commsched.testing.models import BatchNormNet, ParityNet
 from commsched.testing.parity import batches, local_step, rank_slice, reference_step
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ import commsched
 from commsched.bench.trace_report import report
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.testing.models import ParityNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 ITERATIONS = WARMUP_ITERATIONS + 3

@@ -15,7 +15,7 @@ import commsched
 from commsched.testing import run_subtests
 from commsched.testing.loops import LOOPS, case
 from commsched.testing.servers import prepare_or_serve
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -36,7 +36,7 @@ from commsched.testing.parity import (
     reference_step,
 )
 from tests.distributed.test_sharded import case_uneven_inputs_under_join
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import commsched
 from commsched.testing import run_subtests
 from commsched.testing.models import ParityNet
-from tests.shared_ranks import in_shared_ranks
+from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 

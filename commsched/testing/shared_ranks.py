@@ -10,22 +10,25 @@ has ``copies(rank, world_size)`` run in a spawn shared with the other selected t
 for 2 ranks (see `commsched.testing.groups`), at the first of them that runs; each test
 still passes or fails on its own group's outcome. Only tests that leave their ranks fit
 for the next group belong here: a test that kills a rank, stalls it, or leaves the world
-group's collectives unmatched spawns its own ranks.
+group's collectives unmatched spawns its own.
+
+pytest is imported only by the functions that use it, so importing this module needs none;
+the fixtures (``shared_spawns``, ``shared_ranks``) and the marker's registration live in
+tests/conftest.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from commsched.testing.groups import Group, GroupOutcome, run_groups
 
+if TYPE_CHECKING:
+    import pytest
+
 MARKER = "shared_ranks"
-SHARED_SPAWNS_KEY = pytest.StashKey["SharedSpawns"]()
-"""Where the session's `SharedSpawns` is kept for the terminal summary."""
 
 
 def in_shared_ranks(fn, world_size: int, *args: Any, timeout_s: float, tmp_dir: bool = False, last: bool = False):
@@ -36,6 +39,8 @@ def in_shared_ranks(fn, world_size: int, *args: Any, timeout_s: float, tmp_dir: 
     leaves the world group's collectives unmatched (or a rank gone), so it runs after every
     other group, and its ranks exit right after it (a second such group spawns anew).
     """
+    import pytest
+
     return pytest.mark.shared_ranks(Group(fn, args, timeout_s, ends_spawn=last), world_size=world_size,
                                     tmp_dir=tmp_dir)
 
@@ -73,6 +78,8 @@ class SharedSpawns:
     def result_of(self, item: pytest.Item) -> SharedResult:
         spec = _spec(item)
         if spec is None:
+            import pytest
+
             raise pytest.UsageError(f"{item.nodeid} uses the shared_ranks fixture without @in_shared_ranks(...)")
         key, _, world_size, _ = spec
         if key not in self.outcomes:
@@ -104,16 +111,3 @@ def slowest_groups(outcomes: dict[str, GroupOutcome], count: int) -> list[str]:
     it, so the groups' own times say which tests the spawns spend it on."""
     timed = sorted(((o.seconds, key) for key, o in outcomes.items() if o.seconds is not None), reverse=True)
     return [f"{seconds:8.2f}s {key}" for seconds, key in (timed[:count] if count else timed)]
-
-
-@pytest.fixture(scope="session")
-def shared_spawns(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SharedSpawns:
-    spawns = SharedSpawns(request.session, tmp_path_factory)
-    request.config.stash[SHARED_SPAWNS_KEY] = spawns
-    return spawns
-
-
-@pytest.fixture
-def shared_ranks(request: pytest.FixtureRequest, shared_spawns: SharedSpawns) -> SharedResult:
-    """This test's group's outcome in the shared spawn of its world size (see `in_shared_ranks`)."""
-    return shared_spawns.result_of(request.node)
