@@ -6,42 +6,17 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 from commsched.testing import OPTIMIZERS, run_subtests
+from commsched.testing.join import batch_counts, batches_of, loss_of, out_during_warmup, train_until_one_rank_is_out
 from commsched.testing.models import BatchNormNet, ParityNet
 from commsched.testing.servers import prepare_or_serve
 from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
-
-
-def batch_counts(world_size: int) -> list[int]:
-    """Rank 0 runs the most batches, the last rank the fewest (past warm-up and the plan)."""
-    return [8 - 2 * rank for rank in range(world_size)]
-
-
-def out_during_warmup(world_size: int) -> list[int]:
-    """The last rank runs out after two batches: it shadows warm-up's last profiled
-    iteration, which ends with the link's calibration, and the plan's agreement."""
-    return [*batch_counts(world_size)[:-1], 2]
-
-
-def batches_of(rank: int, count: int, shape: tuple[int, ...], classes: int | None):
-    generator = torch.Generator().manual_seed(100 + rank)
-    for _ in range(count):
-        x = torch.randn(4, *shape, generator=generator)
-        y = (torch.randint(0, classes, (4,), generator=generator) if classes
-             else torch.randn(4, 4, generator=generator))
-        yield x, y
-
-
-def loss_of(model, x, y, classes):
-    out = model(x)
-    return F.cross_entropy(out, y) if classes else F.mse_loss(out, y)
 
 
 def train_under_join(model, optimizer, rank, count, shape, classes):
@@ -79,16 +54,6 @@ def case_same_as_ddp(rank, world_size, strategy, model_kind, counts=batch_counts
         commsched.release(model)
 
     return case
-
-
-def train_until_one_rank_is_out(model, optimizer, rank, world_size):
-    """Under ``Join(throw_on_early_termination=True)``: every rank raises once the first runs out."""
-    with pytest.raises(RuntimeError, match="exhausted"):
-        with Join([model], throw_on_early_termination=True):
-            for x, y in batches_of(rank, batch_counts(world_size)[rank], (8,), None):
-                loss_of(model, x, y, None).backward()
-                optimizer.step()
-                optimizer.zero_grad()
 
 
 def case_early_termination_raises_everywhere(rank, world_size):

@@ -26,8 +26,6 @@ from commsched.testing import assert_equal_on_all_ranks, assert_same_parameters,
 from commsched.watch.guards import GRADIENTS_CHANGED_REASON
 from commsched.testing.parity import (
     PARITY_OPTIMIZERS,
-    TINY_CREDIT_MB,
-    TINY_PARTITION_MB,
     batches,
     case_matches_single_process,
     case_no_sync_accumulation,
@@ -36,37 +34,26 @@ from commsched.testing.parity import (
     rank_slice,
     reference_backward,
     reference_step,
-    train_and_compare,
     uses_aux,
 )
 from commsched.testing.loops import LOOPS, case as loop_case
-from tests.distributed.test_join import batch_counts
-from tests.distributed.test_mixed_precision import case as mixed_precision_case
-from tests.distributed.test_sharded import case_autotune_switch_points, case_uneven_inputs_under_join, resident_mib
+from commsched.testing.check_finite import case_skipped_on_every_rank
+from commsched.testing.join import batch_counts
+from commsched.testing.memory import resident_mib
+from commsched.testing.mixed_precision import BFLOAT16_WIRE_ERROR, parameter_error
+from commsched.testing.mixed_precision import case as mixed_precision_case
+from commsched.testing.reduce_scatter import (
+    SCATTERED,
+    STRATEGIES,
+    assert_scattering,
+    reduce_scatter_on_device,
+    scattered,
+)
+from commsched.testing.sharded import case_autotune_switch_points, case_uneven_inputs_under_join
 from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
 
-SCATTERED = commsched.AllReduce(shard_optimizer=True, reduce_scatter=True)
-
-
-def scattered(**fields) -> commsched.Strategy:
-    return commsched.Strategy(backend=SCATTERED, **fields)
-
-
-STRATEGIES = {
-    "default": scattered(),
-    "small_buckets": scattered(bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
-    "one_bucket_per_tensor": scattered(bucket_cap_mb=1e-6, first_bucket_mb=1e-6),
-    "tiny_partitions_and_credit": scattered(bucket_cap_mb=0.004, first_bucket_mb=0.001,
-                                            partition_mb=TINY_PARTITION_MB, credit_mb=TINY_CREDIT_MB, adaptive=False),
-    "no_priority": scattered(priority=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005),
-    "no_overlap": scattered(overlap_forward=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
-    "unfused": scattered(fuse_optimizer=False, bucket_cap_mb=0.002, first_bucket_mb=0.0005, adaptive=False),
-}
-"""Small buckets keep their layout (``adaptive=False``): the cost model would lay ParityNet out in
-one bucket after warm-up, the first, which is all-reduced. "default" and "one_bucket_per_tensor"
-keep the cost model's choice (the latter's layout is cut anew at the end of warm-up)."""
 
 GRID = {
     2: ("default", "one_bucket_per_tensor", "no_priority", "unfused"),
@@ -78,11 +65,6 @@ GRID = {
 def scattered_buckets(model) -> frozenset[int]:
     """The buckets the model's transport reduce-scatters now."""
     return frozenset(b.index for b in commsched.status(model).buckets if b.averaged is not None)
-
-
-def assert_scattering(model) -> None:
-    status = commsched.status(model)
-    assert "reduce-scatter" in status.transport, status.transport
 
 
 def case_parity(rank, world_size, optimizer_name, strategy, set_to_none=True):
@@ -287,8 +269,6 @@ def case_check_finite(rank, world_size):
     """``Strategy(check_finite="skip")``: an inf on one rank skips the step on every rank, in warm-up
     and after it (the verdict rides with the first bucket, which is all-reduced). Each rank names
     only parameters whose average it holds, so the names are not checked."""
-    from tests.distributed.test_check_finite import case_skipped_on_every_rank
-
     case_skipped_on_every_rank(rank, world_size, "adamw", dataclasses.replace(STRATEGIES["small_buckets"],
                                                                               check_finite="skip"),
                                names_checked=False, check_prepared=assert_scattering)
@@ -298,8 +278,6 @@ def case_bfloat16_on_the_wire(rank, world_size):
     """``Strategy(reduce_dtype=torch.bfloat16)``: float32 gradients go on the wire (the all-to-all)
     as bfloat16 and are summed there; the parameters stay within the bfloat16 wire's error of
     one float32 process, and some differ from it."""
-    from tests.distributed.test_mixed_precision import BFLOAT16_WIRE_ERROR, parameter_error
-
     model, optimizer, reference, reference_optimizer = fresh_pair("sgd_nesterov")  # Adam magnifies it 20 times
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     model, optimizer = commsched.prepare(model, optimizer, dataclasses.replace(STRATEGIES["small_buckets"],
@@ -347,19 +325,6 @@ def reduce_scatter_grid(rank: int, world_size: int) -> None:
                                                              world_size, STRATEGIES[label])
         cases["autotune switch points"] = functools.partial(case_autotune, rank, world_size)
         cases["on the CPU device"] = functools.partial(reduce_scatter_on_device, rank, world_size, "cpu")
-    run_subtests(cases)
-
-
-def reduce_scatter_on_device(rank: int, world_size: int, device: str) -> None:
-    """The cases that take a device (tests/gpu runs them on CUDA)."""
-    cases = {}
-    for label, optimizer_name in itertools.product(("default", "tiny_partitions_and_credit", "no_overlap"),
-                                                   ("sgd_nesterov", "adamw")):
-        cases[f"{label}/{optimizer_name}"] = functools.partial(
-            train_and_compare, rank, world_size, optimizer_name, STRATEGIES[label], device=device)
-    cases["uneven inputs under Join"] = functools.partial(
-        case_uneven_inputs_under_join, rank, world_size, "adam", STRATEGIES["default"], batch_counts, False, device,
-        check_prepared=assert_scattering)
     run_subtests(cases)
 
 

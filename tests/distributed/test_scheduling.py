@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
-import logging
 
 import pytest
 import torch
@@ -24,42 +22,18 @@ from commsched.testing import (
 )
 from commsched.testing.models import ParityNet, ReadsLateEarlyLater
 from commsched.testing.parity import (
-    SCHEDULING_OPTIMIZERS,
     TINY_CREDIT_MB,
     TINY_PARTITION_MB,
     batches,
     random_delays,
     rank_slice,
     reference_step,
-    train_and_compare,
     uses_aux,
 )
+from commsched.testing.scheduling import ITERATIONS, collected_logs, scheduling_grid
 from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
-
-ITERATIONS = WARMUP_ITERATIONS + 4  # several iterations with the plan and with overlap
-def strategy_grid():
-    for priority, partition, credit, overlap in itertools.product((False, True), repeat=4):
-        name = f"priority={priority},partitions={partition},credit={credit},overlap={overlap}"
-        yield name, commsched.Strategy(
-            priority=priority,
-            partition_mb=TINY_PARTITION_MB if partition else None,
-            credit_mb=TINY_CREDIT_MB if credit else None,
-            overlap_forward=overlap,
-            bucket_cap_mb=0.004,
-            first_bucket_mb=0.001,
-            adaptive=False,  # these very partitions after warm-up (the cost model: test_partitioning_choice)
-        )
-
-
-def scheduling_grid(rank: int, world_size: int, device: str = "cpu") -> None:
-    cases = {}
-    for (name, strategy), optimizer_name in itertools.product(strategy_grid(), SCHEDULING_OPTIMIZERS):
-        cases[f"{optimizer_name}/{name}"] = functools.partial(
-            train_and_compare, rank, world_size, optimizer_name, strategy, device=device
-        )
-    run_subtests(cases)
 
 
 @pytest.mark.parametrize("world_size", [
@@ -323,20 +297,6 @@ def case_unsupported_optimizer_still_trains(rank, world_size):
         optimizer.zero_grad()
         reference_step(reference, reference_optimizer, x, y, iteration, world_size)
     assert_same_parameters(model, reference)
-
-
-class collected_logs:
-    """Collects commsched's log records (pytest's caplog does not reach spawned ranks)."""
-
-    def __enter__(self):
-        self.records = []
-        self.handler = logging.Handler()
-        self.handler.emit = self.records.append
-        logging.getLogger("commsched").addHandler(self.handler)
-        return self.records
-
-    def __exit__(self, *exc):
-        logging.getLogger("commsched").removeHandler(self.handler)
 
 
 def case_forward_order_sets_priority(rank, world_size):

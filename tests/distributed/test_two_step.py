@@ -35,7 +35,7 @@ from commsched.testing.parity import (
     random_delays,
     reference_step,
 )
-from tests.distributed.test_sharded import case_uneven_inputs_under_join
+from commsched.testing.sharded import case_uneven_inputs_under_join
 from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed

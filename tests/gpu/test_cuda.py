@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.testing import run_ranks
+from commsched.testing.check_finite import check_finite
+from commsched.testing.ddp_scripts import case_drop_in
+from commsched.testing.mixed_precision import mixed_precision_cases, reduce_dtype_cases
 from commsched.testing.models import BatchNormNet
-from tests.distributed.test_check_finite import check_finite
-from tests.distributed.test_ddp_idioms import case_drop_in
-from tests.distributed.test_mixed_precision import mixed_precision_cases, reduce_dtype_cases
-from tests.distributed.test_reduce_scatter import reduce_scatter_on_device
-from tests.distributed.test_sharded import sharded_on_device, sharded_with_random_delays
+from commsched.testing.reduce_scatter import reduce_scatter_on_device
+from commsched.testing.sharded import sharded_on_device, sharded_with_random_delays
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,9 +16,9 @@ import torch
 import commsched
 from commsched.engine.reducer import ONE_REPLICA_REASON
 from commsched.testing import run_ranks, run_subtests
+from commsched.testing.hung_peers import HANG_POINTS, hung_peer
 from commsched.testing.parity import random_delays, train_and_compare
-from tests.distributed.test_misuse import HANG_POINTS, hung_peer
-from tests.distributed.test_scheduling import ITERATIONS, collected_logs, scheduling_grid
+from commsched.testing.scheduling import ITERATIONS, collected_logs, scheduling_grid
 
 pytestmark = [
     pytest.mark.gpu,
