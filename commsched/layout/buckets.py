@@ -103,12 +103,21 @@ class Bucket:
             view_like(self.flat, offset, param) for offset, param in zip(self.offsets, self.params)
         ]
         self.tail = self.flat[numel:]
-        self.wire = self.flat.data
+        self.dtype: torch.dtype = dtype
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self._wire_is(self.flat.data)
+
+    def _wire_is(self, wire: torch.Tensor) -> None:
+        # Plain attributes, not properties: the transport reads them once per bucket and per wait.
+        self.wire = wire
         """The buffer as transports write it: the same memory with a version counter of its
         own. A backend that writes results back with an in-place copy (gloo with CUDA
         tensors) then bumps only this one, so the gradient-touch guard, which reads
         ``flat``'s counter (shared by the gradient views), sees only the user's writes.
         After `reduce_in` another dtype, a buffer of its own."""
+        self.wire_dtype: torch.dtype = wire.dtype
+        """The dtype the bucket is summed in across ranks."""
+        self.wire_nbytes = wire.numel() * wire.element_size()
 
     def reduce_in(self, dtype: torch.dtype) -> None:
         """Sum this bucket's gradients in ``dtype`` (`commsched.Strategy.reduce_dtype`).
@@ -120,25 +129,8 @@ class Bucket:
         """
         if dtype == self.dtype:
             return
-        self.wire = torch.zeros(self.flat.numel(), dtype=dtype, device=self.flat.device)
+        self._wire_is(torch.zeros(self.flat.numel(), dtype=dtype, device=self.flat.device))
         self.tail = self.wire[self.grad_numel:]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.flat.dtype
-
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        """The dtype the bucket is summed in across ranks."""
-        return self.wire.dtype
-
-    @property
-    def wire_nbytes(self) -> int:
-        return self.wire.numel() * self.wire.element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
 
     def __repr__(self) -> str:
         wire = "" if self.wire_dtype == self.dtype else f", reduced in {self.wire_dtype}"
