@@ -41,6 +41,8 @@ from commsched.engine.hooks import ModelHooks
 from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
 from commsched.engine.labels import phase
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
+from commsched.engine.overlap import ONE_REPLICA_REASON as ONE_REPLICA_REASON
+from commsched.engine.overlap import ForwardOverlap
 from commsched.engine.scattering import ScatterDecision
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
@@ -72,11 +74,6 @@ from commsched.watch.guards import (
 
 logger = logging.getLogger("commsched")
 
-ONE_REPLICA_REASON = "one replica: there is no reduction to hide, so every bucket is updated at step()"
-
-TUNED_OVERLAP_OFF = "the auto-tuner's setting in use has forward overlap off"
-
-
 class GradientReducer:
     """The layout, the plan, the current pass and the lifecycle of one prepared model; the user's calls."""
 
@@ -90,7 +87,7 @@ class GradientReducer:
         awaiting_optimizer: bool = False,
     ):
         """``awaiting_optimizer``: no optimizer yet, one may be adopted at its first ``step()``
-        (see [Note: an adopted optimizer])."""
+        (see [Note: an adopted optimizer] in `commsched.engine.overlap`)."""
         self.module, self.config, self.transport, self.policy, self.groups = module, config, transport, policy, groups
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
@@ -118,13 +115,6 @@ class GradientReducer:
         self._sync_enabled = True
         self._scatter_decision = ScatterDecision(transport.scatter, lambda: groups.control, config.timeout_s)
         """Whether the loop lets gradients be reduce-scattered (see [Note: reduce-scattered buckets])."""
-        self.awaiting_optimizer = awaiting_optimizer
-        self._overlap_blocked = None if awaiting_optimizer else policy.overlap_blocker
-        if config.overlap_requested and self._overlap_blocked:
-            logger.warning("commsched: overlap_forward is off: %s", self._overlap_blocked)
-        elif transport.is_local:
-            # Nothing to hide: gates and deferred updates would only cost time.
-            self._overlap_blocked = ONE_REPLICA_REASON
         self._repeated_slots: frozenset[int] | None = None
         """Slots whose buckets are issued only at the end of backward (None: all, until
         a first pass was seen); see [Note: nested backward passes]."""
@@ -137,6 +127,8 @@ class GradientReducer:
                 Tracer(config.trace_dir, dist.get_rank(groups.replicas), module, self.params, self._tracker)
             )
         self.gating = ForwardGating(module, self.params, self.names, self.wait_for_buckets)
+        self.overlap = ForwardOverlap(config.overlap_requested, policy, transport.is_local, awaiting_optimizer,
+                                      self.gating.remove_gates)
         self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build)
         """Until warm-up is over and the reads it watched are no longer watched."""
         self.hooks = ModelHooks(module, self.params, self)
@@ -156,19 +148,18 @@ class GradientReducer:
     @property
     def overlap_off_reason(self) -> str | None:
         """Why forward overlap is (or will be) off; None while it is on or still possible."""
-        if not self.config.overlap_requested:
-            return "Strategy(overlap_forward=False)"
-        if self._overlap_blocked:
-            return self._overlap_blocked
-        if not self.config.layout.overlap_forward:
-            return TUNED_OVERLAP_OFF
-        return None
+        return self.overlap.off_reason(self.config.layout)
+
+    @property
+    def awaiting_optimizer(self) -> bool:
+        """No optimizer yet: one may be adopted at its first ``step()`` during warm-up."""
+        return self.overlap.awaiting_optimizer
 
     def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
         """The first layout, once the forward order is known; warm-up starts."""
         self.gating.readers_found(read_before_owner)
         self._relayout(forward_order)
-        overlap_possible = self.overlap_off_reason is None and (self.policy.per_bucket or self.awaiting_optimizer)
+        overlap_possible = self.overlap_off_reason is None and self.overlap.updates_per_bucket
         self.warmup.layout_built(self.gating.modules() if overlap_possible else None)
         self.lifecycle = Lifecycle.WARMUP
 
@@ -208,8 +199,8 @@ class GradientReducer:
         Returns the new plan's order if there is one.
         """
         started = time.perf_counter()
-        if self.awaiting_optimizer:
-            self._stop_awaiting_optimizer()
+        if self.overlap.awaiting_optimizer:
+            self.overlap.optimizer_settled()  # none was adopted: train as prepared without one
         result = self.warmup.finish(self.layout)
         self.choice = result.choice
         new_order = None
@@ -268,7 +259,7 @@ class GradientReducer:
 
     # ------------------------------------------------------------- auto-tuning
     def _start_tuning(self, warmup: WarmupResult) -> TuningSession:
-        allowed = self.config.overlap_requested and self._overlap_blocked is None
+        allowed = self.config.overlap_requested and self.overlap.blocked is None
         start = TuningStart(self.config.layout, warmup.cost_timeline, allowed,
                             tuple((p.numel(), p.element_size()) for p in self.params),
                             tuple(self.layout.forward_order), dist.get_world_size(self.groups.replicas))
@@ -499,52 +490,22 @@ class GradientReducer:
             self._sync_enabled = previous
 
     # --------------------------------------------------- an adopted optimizer
-    # [Note: an adopted optimizer] `commsched.DistributedDataParallel` wraps a
-    # model before its optimizer exists, as torch DDP does. Until warm-up ends,
-    # the reducer keeps forward overlap possible (gates, the reads watch), and
-    # the first ``step()`` of one optimizer over every trainable parameter
-    # adopts it, as if it had been given to prepare(): that step runs as
-    # torch.optim's own, on gradients already averaged (warm-up does not
-    # overlap), and the next ones are per-bucket updates. No adoption by the
-    # end of warm-up: the model trains as prepared without an optimizer.
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """Take ``optimizer`` as the one given to prepare(), at its first ``step()``, before
-        torch.optim's own step runs; returns what must run once that step is done."""
-        self.awaiting_optimizer = False
-        warmup, started = self.warmup, time.perf_counter()
-        if warmup is not None:
-            warmup.before_step()
+        torch.optim's own step runs; returns what must run once that step is done
+        ([Note: an adopted optimizer] in `commsched.engine.overlap`)."""
+        self.overlap.awaiting_optimizer = False
+        finished = self._step_starts()
         self._step(lambda: None, None)  # this pass is stepped: torch.optim's own step follows
         self.policy.adopt(optimizer, self.layout)
-        if self.policy.overlap_blocker is not None:
-            self._block_overlap(self.policy.overlap_blocker)
-
-        def after_step() -> None:
-            if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
-                self.warmup = None
-            self._events.step_finished(started, time.perf_counter())
-
-        return after_step
+        self.overlap.optimizer_settled()
+        return finished
 
     def decline_optimizer(self, reason: str) -> None:
         """An optimizer this model would adopt steps other models' parameters too: it is not
         adopted, and it steps as torch.optim does, once every gradient is averaged (``reason``:
         why forward overlap is off)."""
-        self.awaiting_optimizer = False
-        self._block_overlap(reason)
-
-    def _stop_awaiting_optimizer(self) -> None:
-        """Warm-up ends without an adopted optimizer: train as prepared without one."""
-        self.awaiting_optimizer = False
-        if self.policy.overlap_blocker is not None:
-            self._block_overlap(self.policy.overlap_blocker)
-
-    def _block_overlap(self, reason: str) -> None:
-        """Forward overlap can no longer start: its gates go (the warm-up's reads end with it)."""
-        self._overlap_blocked = reason
-        self.gating.remove_gates()
-        if self.config.overlap_requested:
-            logger.warning("commsched: overlap_forward is off from now on: %s", reason)
+        self.overlap.optimizer_declined(reason)
 
     def _end_deferred_backward(self) -> None:
         """The model is used again, so a backward pass whose end was deferred is over."""
@@ -580,46 +541,65 @@ class GradientReducer:
 
         ``scaling``: what a ``GradScaler`` handed this step (see [Note: GradScaler]).
         """
-        started = time.perf_counter()
-        warmup = self.warmup
-        if warmup is not None:
-            warmup.before_step()
+        finished = self._step_starts()
         with failures_explained(self.transport), phase("commsched::step"):
             self._step(optimizer_step, scaling)
-        if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
-            self.warmup = None
-        self._events.step_finished(started, time.perf_counter())
+        finished()
+
+    def _step_starts(self) -> Callable[[], None]:
+        """What surrounds a step's own work: warm-up hears of it before and after, the events get its time.
+        Returns what runs once the step is done."""
+        warmup, started = self.warmup, time.perf_counter()
+        if warmup is not None:
+            warmup.before_step()
+
+        def finished() -> None:
+            if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
+                self.warmup = None
+            self._events.step_finished(started, time.perf_counter())
+
+        return finished
 
     def _step(self, optimizer_step: Callable[[], Any], scaling: GradScaling | None) -> None:
+        """One of four steps: after release, without new gradients, whole, or per bucket."""
         self._end_deferred_backward()
         current = self.current
         if self.lifecycle is Lifecycle.RELEASED:
             optimizer_step()
-            return
-        if current is not None and not current.has_new_gradients:
-            # [Note: a step without backward] No new reduced gradients since the last
-            # step(), or zero_grad() dropped them: torch.optim steps on whatever .grad
-            # holds now (nothing, for None), so the optimizer's own step does, once
-            # this pass is finished.
-            if self._joined_steps.needed and self.uneven_inputs.enabled:
-                raise RuntimeError(STEP_WITHOUT_BACKWARD_UNDER_JOIN)
-            self.synchronize()
-            if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
-                self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
+        elif current is not None and not current.has_new_gradients:
+            self._step_without_backward(current, optimizer_step, scaling)
+        elif not self.policy.per_bucket:
+            self._step_whole(current, optimizer_step, scaling)
+        elif current is not None:
+            self._step_per_bucket(current, scaling)
+
+    def _step_without_backward(self, current: BackwardPass, optimizer_step: Callable[[], Any],
+                               scaling: GradScaling | None) -> None:
+        """[Note: a step without backward] No new reduced gradients since the last step(), or
+        zero_grad() dropped them: torch.optim steps on whatever .grad holds now (nothing, for
+        None), so the optimizer's own step does, once this pass is finished."""
+        if self._joined_steps.needed and self.uneven_inputs.enabled:
+            raise RuntimeError(STEP_WITHOUT_BACKWARD_UNDER_JOIN)
+        self.synchronize()
+        if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
+            self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
+        current.stepped_whole()
+
+    def _step_whole(self, current: BackwardPass | None, optimizer_step: Callable[[], Any],
+                    scaling: GradScaling | None) -> None:
+        """A policy without per-bucket updates: torch.optim's step, on every gradient averaged."""
+        if current is not None:
+            current.scaled_by(scaling)
+        self.synchronize()
+        if current is None or not current.skipped_as_nonfinite:
+            optimizer_step()
+        if current is not None:
             current.stepped_whole()
-            return
-        if not self.policy.per_bucket:
-            if current is not None:
-                current.scaled_by(scaling)
-            self.synchronize()
-            if current is None or not current.skipped_as_nonfinite:
-                optimizer_step()
-            if current is not None:
-                current.stepped_whole()
-                current.report_nonfinite(block=True)
-            return
-        if current is None:
-            return
+            current.report_nonfinite(block=True)
+
+    def _step_per_bucket(self, current: BackwardPass, scaling: GradScaling | None) -> None:
+        """Check the step can be right, then release the pass's updates with this moment's
+        hyper-parameters: at once without overlap, at the gates with it."""
         changed = current.gradients_changed()
         self.policy.check_step(changed, scaled=scaling is not None)
         warming_up = self.lifecycle is Lifecycle.WARMUP
@@ -635,12 +615,12 @@ class GradientReducer:
         if current.overlapping and self.gating.updated_at_step:
             current.complete_buckets(self.gating.updated_at_step)
         if not current.overlapping:
-            if self.lifecycle is Lifecycle.WARMUP and self.overlap_off_reason is None:
+            if warming_up and self.overlap_off_reason is None:
                 changed_unsynchronized = changed and not current.synchronized_by_user
                 reason = (GRAD_SCALER_REASON if scaling is not None
                           else GRADIENTS_CHANGED_REASON if changed_unsynchronized else None)
                 if reason is not None:
-                    self._block_overlap(reason)
+                    self.overlap.block(reason)
             self.synchronize()
             current.report_nonfinite(block=True)
 
