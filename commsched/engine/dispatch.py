@@ -30,12 +30,73 @@ completions.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from commsched.comm.transport import Handle
 from commsched.engine.completion import CallbackTracker
-from commsched.layout.partitions import Partition, Plan, PlanExecutor
+from commsched.layout.partitions import Partition, Plan
+
+
+class PlanExecutor:
+    """Issues one backward pass's partitions in plan order, each once ready locally and within credit.
+
+    Driven by events (a bucket became ready, a partition completed, the backward
+    pass ended); completed partitions leave the in-flight queue, whatever their
+    place in it, when an event arrives, never by spinning. One executor per
+    backward pass: it is never reset.
+    """
+
+    def __init__(self, plan: Plan):
+        self.partitions = plan.partitions
+        self.plan = plan.order
+        self.credit_bytes = plan.credit_bytes
+        self._bucket_ready = [False] * plan.num_buckets
+        self._next = 0
+        self._in_flight: deque[tuple[int, object]] = deque()
+        self._in_flight_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self.plan)
+
+    def mark_ready(self, bucket: int) -> None:
+        self._bucket_ready[bucket] = True
+
+    def forget_in_flight(self) -> None:
+        """Let go of the handles of partitions in flight (the pass is over: nothing is issued after)."""
+        self._in_flight.clear()
+        self._in_flight_bytes = 0
+
+    def pump(
+        self,
+        launch: Callable[[Partition], object],
+        is_completed: Callable[[object], bool],
+        ignore_credit: bool = False,
+    ) -> None:
+        """Issue every partition the plan, readiness and the window allow now."""
+        in_flight = self._in_flight
+        # Any that completed leaves, not only from the front: gloo's threads finish side by side.
+        still = [(pid, handle) for pid, handle in in_flight if not is_completed(handle)]
+        if len(still) < len(in_flight):
+            in_flight.clear()
+            in_flight.extend(still)
+            self._in_flight_bytes = sum(self.partitions[pid].nbytes for pid, _ in still)
+        plan, partitions, credit = self.plan, self.partitions, self.credit_bytes
+        while self._next < len(plan):
+            p = partitions[plan[self._next]]
+            if not self._bucket_ready[p.bucket]:
+                return
+            if (
+                not ignore_credit and credit is not None and in_flight
+                and self._in_flight_bytes + p.nbytes > credit
+            ):
+                return
+            handle = launch(p)
+            in_flight.append((p.pid, handle))
+            self._in_flight_bytes += p.nbytes
+            self._next += 1
 
 
 class Dispatcher:

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from commsched.engine import ready_times
 from commsched.engine.ready_times import ReadyTimeProfile
-from commsched.layout.partitions import Partition, Plan, PlanExecutor, make_partitions
+from commsched.engine.dispatch import PlanExecutor
+from commsched.layout.partitions import Partition, Plan, make_partitions
 from commsched.planning import calibration, plans
 from commsched.planning.plans import WarmupTimeline, plan_order, planning_bytes_per_s, wire_bytes_per_s
 from commsched.planning.schedule import LinkModel

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.layout.partitions import Plan, PlanExecutor, fifo_plan, make_partitions
+from commsched.engine.dispatch import PlanExecutor
+from commsched.layout.partitions import Plan, fifo_plan, make_partitions
 from commsched.planning.schedule import LinkModel, SimulatedSchedule, robust_plan, simulate_schedule
 from commsched.planning.wire import wire_share
 
