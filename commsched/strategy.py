@@ -252,7 +252,7 @@ class Strategy:
     the sum on the wire is bfloat16, as the hook's (gloo and NCCL add in the dtype they
     are given); the result is written back into the float32 bucket, so ``param.grad``,
     accumulation under ``no_sync()`` and the update stay float32. Each rounding is within
-    2**-9 of the value rounded (docs/benchmarks.md measures what that does to training).
+    2**-9 of the value rounded (docs/records/2026-11-25-reduce-dtype.md measures what that does to training).
 
     Other dtypes are never changed (float64 gradients stay float64). All-reduce backend
     only. ``commsched.status(model)`` shows each bucket's dtype on the wire."""

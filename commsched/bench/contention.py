@@ -25,8 +25,8 @@ Every time is the slowest worker's: a data-parallel iteration ends when its
 last rank does. The cores' price falls unevenly: at 1 Gbit/s one rank's
 backward pass often ran 20 to 45 ms longer than the other's, which rank
 alternating between iterations, under torch DDP as under commsched
-(docs/benchmarks.md). Rank 0's own times missed it whenever rank 0 was the
-faster one.
+(docs/records/2026-11-24-one-gbit-cells-and-the-cores.md). Rank 0's own times
+missed it whenever rank 0 was the faster one.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def render_report(results: dict[str, SystemResult], config: ComparisonConfig, wo
     console.print(
         "Loopback has no network bottleneck: communication here costs CPU, not link time, so "
         "scheduling has little to hide and small models pay for its extra collectives. "
-        "`commsched bench` (root) measures emulated hosts with shaped links; docs/benchmarks.md."
+        "`commsched bench` (root) measures emulated hosts with shaped links; docs/performance.md."
         + (" The parameter-server row sends every byte to a server and back, and its server shares "
            "the same cores." if config.num_servers else "")
     )

@@ -23,8 +23,8 @@ queue on the same connections as the bulk's, while the second steps go on a
 group of their own. Where many partitions are in flight the ring's bandwidth
 counts more: on 8 emulated hosts at 0.5 Gbit/s, every 1 MiB partition in two
 steps was no faster than the ring, while the first bucket alone in two steps
-made iterations 6-9% faster (docs/benchmarks.md, "Small all-reduces in two
-steps"). It goes in two steps where, timed both ways at the end of warm-up
+made iterations 6-9% faster (docs/records/2026-11-28-two-step-all-reduce.md).
+It goes in two steps where, timed both ways at the end of warm-up
 behind an all-reduce of the largest other bucket, they took at most 0.9 of the
 ring's time (`commsched.planning.calibration.time_both_ways`): rank 0's
 verdict, on every rank.
