@@ -39,6 +39,9 @@ class BucketStatus:
     averaged: tuple[int, int] | None = None
     """Where it is reduce-scattered: the elements of its gradients that hold the average on this
     rank once reduced (None: all-reduced, every element)."""
+    offsets: tuple[int, ...] = ()
+    """Where each of ``parameters``' gradients starts among the bucket's elements, in the same order
+    (the elements `averaged` counts)."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,8 @@ def reducer_status(reducer: GradientReducer) -> Status:
         buckets = tuple(
             BucketStatus(b.index, tuple(layout.names[s] for s in slots), b.nbytes, _dtype_name(b.dtype),
                          priority, count, _dtype_name(b.wire_dtype), b.wire_nbytes, tuple(nbytes),
-                         None if scatter is None or b.index not in scatter.scattered else scatter.averaged_range(b))
+                         None if scatter is None or b.index not in scatter.scattered else scatter.averaged_range(b),
+                         tuple(b.offsets))
             for b, slots, priority, count, nbytes in zip(layout.buckets, layout.bucket_slots, layout.priorities,
                                                          counts, sizes, strict=True)
         )

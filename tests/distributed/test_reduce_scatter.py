@@ -90,12 +90,12 @@ def case_gradients_averaged_on_own_chunk(rank, world_size):
         reference_backward(reference, x, y, iteration, world_size)
         if iteration == 5:
             optimizer.synchronize()
-            layout, status = model._commsched_reducer.layout, commsched.status(model)
+            status, params = commsched.status(model), dict(model.named_parameters())
             checked = nan_seen = 0
-            for index, bucket in enumerate(layout.buckets):
-                low, high = status.buckets[index].averaged or (0, bucket.grad_numel)
-                for slot, offset in zip(layout.bucket_slots[index], bucket.offsets, strict=True):
-                    name, grad = layout.names[slot], layout.params[slot].grad
+            for index, bucket in enumerate(status.buckets):
+                low, high = bucket.averaged or (0, sum(params[name].numel() for name in bucket.parameters))
+                for name, offset in zip(bucket.parameters, bucket.offsets, strict=True):
+                    grad = params[name].grad
                     want = dict(reference.named_parameters())[name].grad
                     if grad is None:
                         assert want is None, name
