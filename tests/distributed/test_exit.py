@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.testing import run_ranks
+from commsched.testing.internals import reducer_of
 from commsched.testing.models import ParityNet
 
 pytestmark = pytest.mark.distributed
@@ -111,7 +112,7 @@ def dropped_models_are_collected(rank: int, world_size: int) -> list[bool]:
             optimizer.step()
             optimizer.zero_grad()
         optimizer.synchronize()
-        reducer = weakref.ref(model._commsched_reducer)
+        reducer = weakref.ref(reducer_of(model))
         del model, optimizer
         gc.collect()
         collected.append(reducer() is None)

@@ -53,6 +53,7 @@ from commsched.testing.parity import (
     uses_aux,
 )
 from commsched.testing.loops import LOOPS, case as loop_case
+from commsched.testing.internals import record_updates
 from commsched.testing.join import batch_counts, batches_of, loss_of, out_during_warmup, train_until_one_rank_is_out
 from commsched.testing.memory import resident_mib
 from commsched.testing.mixed_precision import case as mixed_precision_case
@@ -329,9 +330,7 @@ def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
         model.late_s = 0.5 if iteration == late and rank == 1 else 0.0
         loss = loss_of(rank)
         if iteration == late:  # from this step's updates on, which the next forward pass runs
-            policy = model._commsched_reducer.policy
-            update = policy.update
-            policy.update = lambda bucket, *args: (updated.append(bucket), update(bucket, *args))[1]
+            record_updates(model, updated)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
