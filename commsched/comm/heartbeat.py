@@ -274,6 +274,21 @@ class Heartbeat:
     def _iteration(self) -> int:
         return self._beat.iteration
 
+    @property
+    def store_client(self) -> dist.Store | None:
+        """The client of the job's store its beats are written with (None once stopped: given back)."""
+        return self._store
+
+    @property
+    def cloning_client(self) -> dist.Store:
+        """The client of the job's store it clones others from (a failure's note, the watch)."""
+        return self._template
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread that beats, until `stop`, the heartbeat's collection, or exit."""
+        return self._thread
+
     def at_iteration(self, iteration: int) -> None:
         """This rank began ``iteration``: the next beats say so."""
         self._beat.iteration = iteration

@@ -110,6 +110,11 @@ class SecondSteps:
                 _QUEUES[group] = cls(group)
             return _QUEUES[group]
 
+    @property
+    def locked(self) -> bool:
+        """Some thread holds the queue's lock now (second steps go under it, their callbacks after it)."""
+        return self._lock.locked()
+
     def enqueue(self, reduction: TwoStepAllReduce) -> None:
         """``reduction``'s first step was just issued: its second goes after every earlier one's."""
         with self._lock:

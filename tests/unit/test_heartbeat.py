@@ -63,18 +63,18 @@ def test_a_heartbeat_reuses_the_store_clients_a_stopped_one_gave_back(store):
     job's store; clients of another job's store are never taken."""
     job = dist.PrefixStore("job", dist.TCPStore("127.0.0.1", store.port, is_master=False))
     first = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=job)
-    clients = {id(first._store), id(first._template)}
+    clients = {id(first.store_client), id(first.cloning_client)}
     first.stop()
     second = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=job)
     try:
-        assert {id(second._store), id(second._template)} == clients
+        assert {id(second.store_client), id(second.cloning_client)} == clients
     finally:
         second.stop()
     other_job = dist.PrefixStore("other", dist.TCPStore("127.0.0.1", store.port, is_master=False))
     third = Heartbeat("127.0.0.1", store.port, 0, [0, 1], store=other_job)
     try:
-        assert not {id(third._store), id(third._template)} & clients
-        third._store.set("written", "under its own prefix")
+        assert not {id(third.store_client), id(third.cloning_client)} & clients
+        third.store_client.set("written", "under its own prefix")
         assert other_job.check(["written"]) and not job.check(["written"])
     finally:
         third.stop()
@@ -89,7 +89,7 @@ def test_a_heartbeat_dropped_without_stop_ends_its_thread(store):
     """A model never released but collected (a prepare() that failed half-way, a dropped copy) takes its
     beat along: none runs on into the interpreter's finalization ([Note: no beat at finalization])."""
     beat = Heartbeat("127.0.0.1", store.port, 0, [0, 1])
-    thread = beat._thread
+    thread = beat.thread
     del beat
     gc.collect()
     assert not _beats_within(thread, 4 * heartbeat.BEAT_PERIOD_S)
@@ -99,5 +99,5 @@ def test_at_exit_the_beats_nobody_stopped_are_ended_and_waited_for(store):
     beats = [Heartbeat("127.0.0.1", store.port, rank, [0, 1]) for rank in (0, 1)]
     beats[0].stop()
     heartbeat._RUNNING.end_all()  # what runs at exit, after every model's own exit handler
-    assert not beats[1]._thread.is_alive()
+    assert not beats[1].thread.is_alive()
     beats[1].stop()  # idempotent after it

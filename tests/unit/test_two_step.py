@@ -52,10 +52,10 @@ class _Reduction:
         self.summed, self._queue, self._log, self._name = False, queue, log, name
 
     def issue_second_step(self, group: object) -> None:
-        self._log.append((self._name, "issued", self._queue._lock.locked()))
+        self._log.append((self._name, "issued", self._queue.locked))
 
     def second_step_issued(self) -> None:
-        self._log.append((self._name, "callbacks", self._queue._lock.locked()))
+        self._log.append((self._name, "callbacks", self._queue.locked))
 
 
 def test_second_steps_go_in_first_step_order_and_their_callbacks_outside_the_lock():
