@@ -173,6 +173,10 @@ def parameter_way(traced_ways: dict[str, list[Way]]) -> Way:
     return way
 
 
+SOMETIMES = frozenset({"engine/completion.py"})
+"""Files a way enters only when timing makes it: a reduction that completes while the dispatcher
+is still issuing runs its callback inline, on the training thread."""
+
 UPDATES = "update/fused.py"
 """A gate whose way reaches the fused kernels updated a bucket."""
 
