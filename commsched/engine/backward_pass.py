@@ -299,7 +299,7 @@ class BackwardPass:
         its all-gather began only when the gate opened, and the forward pass then waited for it.
         Started during that wait, it shares the link with that all-reduce (which took 34-48 ms
         instead of 15), and no gate waits for a gather: at 8 hosts, iterations 1-5% faster at
-        1 and 0.5 Gbit/s (docs/benchmarks.md, "Updates ahead of the bucket kept whole").
+        1 and 0.5 Gbit/s (docs/records/2026-11-28-reduce-scatter-at-eight-hosts.md).
 
         Only the all-gathers' start times change, never their order: they are still issued in
         `update_order` on every rank, skipping only buckets that start nothing, and a gate may

@@ -31,8 +31,8 @@ Why ZeRO-1 by default and not ZeRO-2 (reduce-scatter of gradients, which
 ``AllReduce(reduce_scatter=True)`` turns on: see [Note: reduce-scattered buckets]
 in `commsched.comm.reduce_scatter`): full averaged gradients keep every loop
 exact (clipping, a ``GradScaler``, gradients read before ``step()``), and on
-gloo a reduce-scatter saves little at 2 hosts (docs/benchmarks.md,
-"Reduce-scatter (ZeRO-2) on gloo: by an all-to-all"). This policy needs
+gloo a reduce-scatter saves little at 2 hosts (docs/records/2026-11-27-reduce-scatter-on-gloo.md).
+This policy needs
 nothing of its own for it: it reads only its chunk's gradients.
 
 [Note: the first bucket is not sharded] The bucket the forward pass needs
