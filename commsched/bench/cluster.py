@@ -17,6 +17,7 @@ Ctrl-C, and on SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,9 +26,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from commsched.bench.cpu_guard import CpuSampler
 
 PREFIX = "csx"
 SUBNET = "10.213.7"
@@ -261,21 +264,46 @@ def wait_for_hosts(procs: Sequence[subprocess.Popen], timeout_s: float, what: st
         if p.returncode != 0:
             raise RuntimeError(f"a host of {what} exited with {p.returncode}:\n{err[-3000:]}")
 
-def run_script_on_hosts(script: str, hosts: int, link: LinkSpec, config: Mapping[str, Any], timeout_s: float,
-                        what: str, immediate_acks: bool = True) -> Any:
-    """Run ``python script --worker CONFIG OUT`` on every host of a fresh cluster (one thread each,
-    torch's env:// variables set) and return the JSON the script wrote to OUT: a benchmark's worker
-    reads ``config`` from CONFIG, and its rank 0 writes what it measured. ``immediate_acks``: as
-    `EmulatedCluster`'s."""
+
+def run_script_on_hosts(script: str | Sequence[str], hosts: int, link: LinkSpec, config: Mapping[str, Any],
+                        timeout_s: float, what: str, immediate_acks: bool = True, torchrun: bool = False,
+                        port: int = 29500, sample_cpu: bool = False) -> Any:
+    """Run ``python script --worker CONFIG OUT`` on every host of a fresh cluster (one thread each)
+    and return the JSON the script wrote to OUT: a benchmark's worker reads ``config`` from CONFIG,
+    and its rank 0 writes what it measured. ``script``: a path, or the arguments that name it
+    (``["-m", "commsched.bench.grid"]``).
+
+    Each host runs it with torch's env:// variables set, or with ``torchrun`` under
+    ``torch.distributed.run`` (one node per host, rank 0's address the master's). ``sample_cpu``
+    adds ``"cpu"``: how busy the machine's cores were while the hosts ran
+    (`commsched.bench.cpu_guard.CpuUse` as data, None where ``/proc/stat`` cannot be read), so that a
+    run whose cores rather than links set the pace can be told apart. ``immediate_acks``: as
+    `EmulatedCluster`'s.
+    """
+    target = [script] if isinstance(script, str) else list(script)
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, link, immediate_acks=immediate_acks) as cluster:
         config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
         config_path.write_text(json.dumps(dict(config)))
-        procs = [cluster.popen(host, [sys.executable, script, "--worker", str(config_path), str(out_path)],
-                               {**cluster.torch_env(host), "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for host in range(hosts)]
-        wait_for_hosts(procs, timeout_s, what)
-        return json.loads(out_path.read_text())
+        worker = [*target, "--worker", str(config_path), str(out_path)]
+        sampler = CpuSampler() if sample_cpu else None
+        with contextlib.nullcontext() if sampler is None else sampler:
+            procs = []
+            for host in range(hosts):
+                if torchrun:
+                    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", "--nproc-per-node=1",
+                            f"--node-rank={host}", f"--master-addr={cluster.address(0)}", f"--master-port={port}",
+                            *worker]
+                    env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+                else:
+                    argv, env = [sys.executable, *worker], {**cluster.torch_env(host, port), "OMP_NUM_THREADS": "1"}
+                procs.append(cluster.popen(host, argv, env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           text=True))
+            wait_for_hosts(procs, timeout_s, what)
+        result = json.loads(out_path.read_text())
+    if sampler is not None:
+        use = sampler.summary()
+        result = {**result, "cpu": None if use is None else asdict(use)}
+    return result
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:

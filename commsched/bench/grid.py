@@ -35,16 +35,13 @@ import argparse
 import itertools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from commsched.bench.compare import SETTLED_AFTER
-from commsched.bench.cpu_guard import CpuSampler
 from commsched.bench.results import Cell, markdown, peak_rss, plot, summarize
 from commsched.bench.systems import UNSCHEDULED, Commsched, ComputeOnly, System, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import ParameterServer, Strategy
@@ -180,26 +177,12 @@ def run_cell(cell: Cell, chosen: Sequence[System], rounds: int, iterations: int,
     ``cores_set_the_pace``), so that a cell where the cores rather than the links set the pace can
     be told apart; None where ``/proc/stat`` cannot be read.
     """
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
+    from commsched.bench.cluster import LinkSpec, run_script_on_hosts
 
     spec = cell_spec(cell, chosen, rounds, iterations, warmup, measure_peak_rss, profile)
-    hosts = cell.hosts + cell.ps_servers
-    with tempfile.TemporaryDirectory() as tmp, \
-            EmulatedCluster(hosts, LinkSpec(rate_mbit=cell.rate_gbit * 1000)) as cluster:
-        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
-        config_path.write_text(json.dumps(spec))
-        procs = []
-        with CpuSampler() as sampler:
-            for host in range(hosts):
-                argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}",
-                        "--nproc-per-node=1", f"--node-rank={host}", f"--master-addr={cluster.address(0)}",
-                        f"--master-port={port}", "-m", "commsched.bench.grid", "--worker", str(config_path),
-                        str(out_path)]
-                procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-            wait_for_hosts(procs, timeout_s, str(cell))
-        use = sampler.summary()
-        return {**json.loads(out_path.read_text()), "cpu": None if use is None else asdict(use)}
+    return run_script_on_hosts(["-m", "commsched.bench.grid"], cell.hosts + cell.ps_servers,
+                               LinkSpec(rate_mbit=cell.rate_gbit * 1000), spec, timeout_s, str(cell), torchrun=True,
+                               port=port, sample_cpu=True)
 
 
 def _memory_key(cell: Cell) -> tuple:
