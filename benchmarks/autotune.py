@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from commsched.bench import runner
+
 MODELS = ("vgg-like", "resnet-like", "transformer-like")
 BATCH = {"vgg-like": 64, "resnet-like": 32, "transformer-like": 16}
 FULL = {"rates_gbit": [0.25, 1.0], "rounds": 2, "trial_iterations": 3, "after_change": 150,
@@ -280,19 +282,22 @@ def report(cells: list[CellResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: a small grid, one round")
+    runner.add_quick(parser, help="a smoke run: a small grid, one round")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--rates-gbit", nargs="+", type=float)
-    parser.add_argument("--json", type=Path, help="write every cell's result here")
+    runner.add_rates_gbit(parser, default=None)
+    runner.add_json(parser, help="write every cell's result here")
     parser.add_argument("--after-change", type=int, metavar="N",
                         help="iterations trained after the link change (default: 40 with --quick, else 150)")
-    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per cell")
+    runner.add_timeout(parser, default=3600.0, help="per cell")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
+    problem = runner.cluster_problem("autotune")
+    if problem:
+        return problem
     settings = dict(QUICK if args.quick else FULL)
     if args.rates_gbit:
         settings["rates_gbit"] = args.rates_gbit
@@ -314,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             if c.change_to_gbit in by_rate:
                 c.iterations_to_recover = recovery(c.after_change_ms, by_rate[c.change_to_gbit].grid_best_ms)
     print(report(cells))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    runner.write_json(args.json, [asdict(c) for c in cells])
     return 0
 
 

@@ -19,11 +19,9 @@ every cell, and the cells where it is above 1; with ``--json``, every cell.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-from pathlib import Path
 
+from commsched.bench import runner
 from commsched.bench.emulated import EMULATED_WORKLOADS, load_profile
 from commsched.profiling.model import scaled_compute
 from commsched.profiling.profile import Profile
@@ -59,8 +57,8 @@ def cells(workers: list[int], gbits: list[float], latencies_us: list[float], alg
     return itertools.product(workers, gbits, latencies_us, [algorithm])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = runner.make_parser(__doc__)
     parser.add_argument("--profiles", nargs="+", choices=[*PROFILES, *EMULATED_WORKLOADS],
                         help="default: the accelerator profiles, or with --emulated the emulated workloads")
     parser.add_argument("--emulated", action="store_true",
@@ -73,8 +71,8 @@ def main() -> None:
                         help="collectives the link runs at once (default 1, NCCL; with --emulated 2, gloo)")
     parser.add_argument("--all-to-all", choices=("on", "off"),
                         help="the first bucket may go in two all-to-alls (default off; with --emulated on, gloo)")
-    parser.add_argument("--json", type=Path, help="write every cell here")
-    args = parser.parse_args()
+    runner.add_json(parser, help="write every cell here")
+    args = parser.parse_args(argv)
     defaults = EMULATED_DEFAULTS if args.emulated else ACCELERATOR_DEFAULTS
     for option, value in defaults.items():
         if getattr(args, option) is None:
@@ -111,9 +109,7 @@ def main() -> None:
             print(f"  {r['workers']:5d} workers {r['gbit']:6g} Gbit/s {r['latency_us']:4g} us: "
                   f"{r['commsched_ms']:.2f} ms ({partitions}) vs DDP {r['best_ddp_ms']:.2f} ms "
                   f"(bucket {r['best_ddp_bucket_mb'] or 'default'}): {r['ratio']:.3f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    runner.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

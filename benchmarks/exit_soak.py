@@ -16,15 +16,14 @@ with the first failure's output; with ``--json``, every job.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from commsched.bench import runner
 
 SYSTEMS = ("commsched", "ddp")
 ENDINGS = ("destroy", "no-destroy")
@@ -85,19 +84,21 @@ def run_job(system: str, ending: str, iterations: int, timeout_s: float) -> dict
             "output": output[-4000:]}
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        system, ending, checkpoint_dir, iterations = sys.argv[2:6]
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--job"]:
+        system, ending, checkpoint_dir, iterations = argv[1:5]
         train(system, ending, checkpoint_dir, int(iterations))
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = runner.make_parser(__doc__)
     parser.add_argument("--runs", type=int, default=100, help="jobs per variant")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--endings", nargs="+", choices=ENDINGS, default=list(ENDINGS))
     parser.add_argument("--iterations", type=int, default=12, help="optimizer steps per job")
     parser.add_argument("--timeout-s", type=float, default=90.0, help="per job")
-    parser.add_argument("--json", type=Path, help="write every job's outcome here")
-    args = parser.parse_args()
+    runner.add_json(parser, help="write every job's outcome here")
+    args = parser.parse_args(argv)
+    runner.refuse_below_one(parser, args, "runs")
     variants = list(itertools.product(args.systems, args.endings))
     jobs: list[dict] = []
     for run in range(args.runs):
@@ -120,8 +121,7 @@ def main() -> None:
         failed = [j for j in jobs if j["system"] == system and j["ending"] == ending and not j["ok"]]
         if failed:
             print(f"\nfirst failure of {system}, {ending}:\n{failed[0]['output']}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(jobs, indent=1))
+    runner.write_json(args.json, jobs)
 
 
 if __name__ == "__main__":

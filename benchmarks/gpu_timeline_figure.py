@@ -6,13 +6,12 @@ launched its work and when the GPU ran it, and every call that made the host wai
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from commsched.bench import runner  # noqa: E402
 
 
 def draw(timeline: dict, title: str):
@@ -39,13 +38,12 @@ def draw(timeline: dict, title: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("timeline", help="the JSON written by gpu_world1.py --profile")
     parser.add_argument("png")
     parser.add_argument("--title", default="commsched (default Strategy), ResNet-50, one H100, under torch.profiler")
     args = parser.parse_args()
-    with open(args.timeline) as f:
-        draw(json.load(f), args.title).savefig(args.png, dpi=120)
+    draw(runner.read_rows(args.timeline), args.title).savefig(args.png, dpi=120)
 
 
 if __name__ == "__main__":

@@ -37,12 +37,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import commsched
+from commsched.bench import runner
 from commsched.strategy import Strategy
 
 MODELS = {
@@ -272,15 +274,15 @@ def report(model_name: str, times: dict[str, list[float]], memory: dict[str, int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8, help="per system, before the first round")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
-    parser.add_argument("--json", help="write every round's times and the peaks here")
-    parser.add_argument("--profile", help="write commsched's profiled timeline (first model) here")
+    runner.add_json(parser, help="write every round's times and the peaks here")
+    parser.add_argument("--profile", type=Path, help="write commsched's profiled timeline (first model) here")
     parser.add_argument("--host-profile", help="write each system's cProfile (first model) here")
     parser.add_argument("--peak-memory-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -300,8 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         timeline = profile_timeline(args.models[0])
         results["timeline"] = timeline
-        with open(args.profile, "w") as f:
-            json.dump(timeline, f, indent=1)
+        runner.write_json(args.profile, timeline)
         blocking = timeline["host_blocking_calls"]
         print(f"profiled {len(timeline['iterations'])} iterations of commsched ({args.models[0]}): "
               f"{len(blocking)} host-blocking CUDA calls", [b["name"] for b in blocking][:20])
@@ -313,9 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.host_profile, "w") as f:
             f.write("\n".join(lines))
         print("\n".join(line for line in lines if line.startswith("===")))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    runner.write_json(args.json, results)
     dist.destroy_process_group()
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -42,7 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import sharded  # noqa: E402 - the cell of benchmarks/sharded.py, beside this script
 
+from commsched.bench import runner  # noqa: E402
 from commsched.bench.models import WORKLOADS  # noqa: E402
+from commsched.bench.repeats import Repeat, median_and_each  # noqa: E402
 from commsched.bench.systems import Commsched, System  # noqa: E402
 from commsched.strategy import AllReduce, Strategy  # noqa: E402
 
@@ -100,16 +101,18 @@ def ring_only(system: Commsched) -> Commsched:
     return Commsched(dataclasses.replace(system.strategy, backend=backend), label)
 
 
-def report(runs: list[dict], cpu: list, ddp_names: list[str]) -> list[str]:
-    """Lines per cluster, then the median speed against the best DDP per system."""
+def report(runs: list[dict], cpu: list[dict | None], ddp_names: list[str]) -> list[str]:
+    """Lines per cluster, then the median speed against the best DDP per system (``cpu``: each
+    cluster's `commsched.bench.cpu_guard.CpuUse` as data, or None)."""
     lines, speeds = [], {}
     for index, (run, use) in enumerate(zip(runs, cpu, strict=True)):
-        times = {name: statistics.median(r["iteration_times_s"]) * 1e3 for name, r in run.items()}
-        best_ddp = min(times[name] for name in ddp_names)
-        marked = " (cores set the pace)" if use is not None and use.cores_set_the_pace else ""
-        busy = "" if use is None else f", cores busy {use.median:.2f} at the median{marked}"
+        medians = Repeat.of({name: r["iteration_times_s"] for name, r in run.items()})
+        best_ddp = medians.medians_s[medians.fastest(ddp_names)] * 1e3
+        marked = " (cores set the pace)" if use is not None and use["cores_set_the_pace"] else ""
+        busy = "" if use is None else f", cores busy {use['median']:.2f} at the median{marked}"
         lines.append(f"cluster {index + 1}{busy}:")
-        for name, ms in times.items():
+        for name, seconds in medians.medians_s.items():
+            ms = seconds * 1e3
             speeds.setdefault(name, []).append(best_ddp / ms)
             waits = run[name].get("exposed_wait_s") or []
             wait = f", waits {statistics.median(waits) * 1e3:.1f} ms" if waits else ""
@@ -120,15 +123,14 @@ def report(runs: list[dict], cpu: list, ddp_names: list[str]) -> list[str]:
         if kept:
             lines.append(f"  the default: {kept}")
     lines.append("median over clusters, speed against the best DDP:")
-    lines += [f"  {name:36s} {statistics.median(values):.3f} ({', '.join(f'{v:.3f}' for v in values)})"
-              for name, values in speeds.items()]
+    lines += [f"  {name:36s} {median_and_each(values, sep=', ')}" for name, values in speeds.items()]
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", nargs="+", type=int, default=[8])
-    parser.add_argument("--rate-gbit", type=float, default=1.0, help="every host's link")
+    parser = runner.make_parser(__doc__)
+    runner.add_hosts(parser, default=[8])
+    runner.add_rate_gbit(parser, default=1.0)
     parser.add_argument("--workload", default=WORKLOAD, choices=sorted(WORKLOADS))
     parser.add_argument("--optimizer", default="sgd", choices=sorted(sharded.LEARNING_RATE))
     parser.add_argument("--batch-size", type=int, default=8, help="per host")
@@ -142,34 +144,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
     parser.add_argument("--iterations", type=int, default=3, help="measured, per system per round")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured iterations per system")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh clusters per number of hosts")
-    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per cluster")
-    parser.add_argument("--json", type=Path, help="write every run here")
+    runner.add_repeats(parser, default=3, help="fresh clusters per number of hosts")
+    runner.add_timeout(parser, default=1200.0, help="per cluster")
+    runner.add_json(parser)
     args = parser.parse_args(argv)
-    from commsched.bench.cluster import unavailable_reason
-    from commsched.bench.cpu_guard import CpuSampler
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"layouts: {reason}; it needs the emulated cluster", file=sys.stderr)
-        return 2
+    runner.refuse_below_one(parser, args, "repeats", "rounds", "iterations")
+    problem = runner.cluster_problem("layouts")
+    if problem:
+        return problem
     ddp = sharded.ddp_sweep(args.ddp_bucket_mb)
     systems: tuple[System, ...] = (*ddp, sharded.ALLREDUCE, *args.layout)
     if args.ring:
         systems += tuple(ring_only(system) for system in (sharded.ALLREDUCE, *args.layout))
-    record: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    cells: list[dict] = []
     for hosts in args.hosts:
-        runs, cpu = [], []
-        for _ in range(args.repeats):
-            with CpuSampler() as sampler:
-                runs.append(sharded.run_cell(hosts, args.rate_gbit, args.optimizer, args, systems=systems)["systems"])
-            cpu.append(sampler.summary())
+        outputs = [sharded.run_cell(hosts, args.rate_gbit, args.optimizer, args, systems=systems, sample_cpu=True)
+                   for _ in range(args.repeats)]
+        runs, cpu = [output["systems"] for output in outputs], [output["cpu"] for output in outputs]
         print(f"{args.workload}, {args.optimizer}, {hosts} hosts at {args.rate_gbit:g} Gbit/s")
         print("\n".join(report(runs, cpu, [system.name for system in ddp])), flush=True)
-        record["cells"].append({"hosts": hosts, "runs": runs, "cpu": [None if u is None else vars(u) for u in cpu]})
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(record, indent=1))
+        cells.append({"hosts": hosts, "runs": runs, "cpu": cpu})
+        runner.write_json(args.json, cells)
     return 0
 
 

@@ -13,10 +13,10 @@ difference divided by the number of partitions.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
+from commsched.bench import runner
 from commsched.bench.compare import ComparisonConfig, compare_on_rank
 from commsched.bench.systems import UNSCHEDULED, Commsched
 from commsched.strategy import Strategy
@@ -42,17 +42,20 @@ def count_partitions(rank: int, world_size: int, workload: str, partition_mb: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser = runner.make_parser(__doc__)
+    runner.add_world_sizes(parser, default=[1, 2])
     parser.add_argument("--workload", default="resnet-like")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
+    runner.add_json(parser, help="write every system's iteration times and partitions here")
     args = parser.parse_args(argv)
+    runner.refuse_below_one(parser, args, "iterations", "rounds")
 
     unscheduled = Commsched(UNSCHEDULED, "unscheduled")
     partitioned = {p: Commsched(Strategy(partition_mb=p), f"partition_mb={p}") for p in PARTITION_SIZES_MB}
     partitions = {system.name: run_ranks(count_partitions, 1, args.workload, p)[0] for p, system in partitioned.items()}
+    rows: list[dict] = []
     for world_size in args.world_sizes:
         config = ComparisonConfig(workload=args.workload, batch_size=args.batch_size, iterations=args.iterations,
                                   rounds=args.rounds, warmup=6, systems=(unscheduled, *partitioned.values()),
@@ -65,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, result in results.items():
             delta = (result.median_s - base) * 1e3
             count = partitions.get(name)
+            rows.append({"world_size": world_size, "system": name, "partitions": count,
+                         "iteration_times_s": result.iteration_times_s})
             per = f"{delta * 1e3 / count:13.1f}" if count else f"{'':>13}"
             print(f"{name:32} {result.median_s * 1e3:10.2f} {delta:21.2f} {count or '':>11} {per}")
         spread = statistics.quantiles(results[unscheduled.name].iteration_times_s, n=10)
         print(f"(unscheduled p10-p90: {spread[0] * 1e3:.1f}-{spread[-1] * 1e3:.1f} ms: differences inside it are noise)")
+        runner.write_json(args.json, rows)
     return 0
 
 

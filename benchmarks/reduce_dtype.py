@@ -46,9 +46,7 @@ import copy
 import json
 import math
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from commsched.bench import runner
+from commsched.bench.repeats import Repeat, median_s, ratios
 
 FP32_SYSTEMS = ("commsched, float32", "commsched, bf16 on the wire", "DDP, bf16_compress_hook")
 BF16_SYSTEMS = ("commsched, bf16 params", "commsched, bf16 params, fp32 sum")
@@ -367,17 +368,9 @@ def speed_worker(spec_path: Path, out_path: Path) -> None:
 
 
 def speed_cell(model: str, rate_gbit: float, settings: dict, port: int) -> dict[str, list[float]]:
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
-
-    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(2, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps({"model": model, "batch": BATCH[model], **settings}))
-        procs = [cluster.popen(host, [sys.executable, __file__, "--worker", str(spec_path), str(out_path)],
-                               {**cluster.torch_env(host, port), "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for host in range(2)]
-        wait_for_hosts(procs, settings["timeout_s"], f"{model} at {rate_gbit:g} Gbit/s")
-        return json.loads(out_path.read_text())
+    """Every system's iteration times (rank 0) in one fresh cluster of 2 emulated hosts."""
+    return runner.on_emulated_hosts(__file__, 2, rate_gbit, {"model": model, "batch": BATCH[model], **settings},
+                                    settings["timeout_s"], f"{model} at {rate_gbit:g} Gbit/s", port=port)
 
 
 RATIOS = (("commsched, bf16 on the wire", "commsched, float32"),
@@ -394,12 +387,12 @@ def speed_rows(cells: list[dict]) -> list[str]:
             + " | ".join(f"{short[a]} / {short[b]}" for a, b in RATIOS) + " |",
             "|---|---|" + "---|" * (len(names) + len(RATIOS))]
     for cell in cells:
-        repeats = [{n: statistics.median(times[n]) for n in names} for times in cell["repeats"]]
-        medians = {n: statistics.median(r[n] for r in repeats) * 1e3 for n in names}
-        ratios = [statistics.median(r[a] / r[b] for r in repeats) for a, b in RATIOS]
+        repeats = [Repeat.of(times) for times in cell["repeats"]]
+        medians = {n: median_s(repeats, n) * 1e3 for n in names}
+        paired = [statistics.median(ratios(repeats, a, b)) for a, b in RATIOS]
         rows.append(f"| {cell['model']} | {cell['rate_gbit']:g} Gbit/s | "
                     + " | ".join(f"{medians[n]:.1f}" for n in names) + " | "
-                    + " | ".join(f"{ratio:.3f}" for ratio in ratios) + " |")
+                    + " | ".join(f"{ratio:.3f}" for ratio in paired) + " |")
     return rows
 
 
@@ -419,8 +412,14 @@ def error_rows(results: dict, steps: int) -> list[str]:
     return rows
 
 
+def load(path: Path) -> dict:
+    """A run saved with ``--json``: its fields, and its rows as ``results`` (as runs saved before)."""
+    saved = json.loads(path.read_text())
+    return {**saved, "results": saved["rows"]} if "rows" in saved else saved
+
+
 def report(out: dict) -> list[str]:
-    """The tables of a run (``--json``'s contents)."""
+    """The tables of a run (``--json``'s contents, `load`ed)."""
     if out["part"] == "error":
         return error_rows(out["results"], out["steps"])
     if out["part"] == "convergence":
@@ -429,30 +428,30 @@ def report(out: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("part", nargs="?", choices=("error", "convergence", "speed"))
     parser.add_argument("--models", nargs="+", help="default: error: mlp, transformer-like, gpt; convergence: "
                         "the bench models and gpt; speed: the bench models")
-    parser.add_argument("--world-sizes", nargs="+", type=int, help="error: 2 4; convergence: 2 (the first is used)")
+    runner.add_world_sizes(parser, default=None, help="error: 2 4; convergence: 2 (the first is used)")
     parser.add_argument("--steps", type=int, help="error: 30; convergence: 300")
     parser.add_argument("--bf16-params", action="store_true", help="convergence: also bfloat16 parameters")
-    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.25, 1.0], help="speed only")
-    parser.add_argument("--repeats", type=int, default=3, help="speed: fresh clusters per cell")
+    runner.add_rates_gbit(parser, default=[0.25, 1.0], help="speed only")
+    runner.add_repeats(parser, default=3, help="speed: fresh clusters per cell")
     parser.add_argument("--rounds", type=int, default=3, help="speed only")
     parser.add_argument("--iterations", type=int, default=5, help="speed: measured per system per round")
     parser.add_argument("--warmup", type=int, default=6, help="speed: unmeasured iterations per system")
-    parser.add_argument("--timeout-s", type=float, default=3600.0)
-    parser.add_argument("--json", type=Path, help="write the run here")
+    runner.add_timeout(parser, default=3600.0)
+    runner.add_json(parser, help="write the run here")
     parser.add_argument("--plot", type=Path, help="convergence: the loss curves (also with --report)")
     parser.add_argument("--report", type=Path, metavar="JSON", help="print the tables of a run saved with --json")
     args = parser.parse_args(argv)
     if args.worker:
         speed_worker(*args.worker)
         return 0
+    runner.refuse_below_one(parser, args, "repeats", "rounds", "iterations", "steps")
     if args.report:
-        saved = json.loads(args.report.read_text())
+        saved = load(args.report)
         print("\n".join(report(saved)))
         if args.plot and saved["part"] == "convergence":
             plot(saved["results"], args.plot)
@@ -461,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name a part (error, convergence or speed), or --report a saved run")
     from commsched.testing import run_ranks
 
-    out: dict = {"part": args.part, "argv": sys.argv[1:]}
+    out: dict = {"part": args.part}
     if args.part == "error":
         models, out["steps"] = args.models or ["mlp", "transformer-like", "gpt"], args.steps or 30
         out["results"] = {world_size: run_ranks(error_on_rank, world_size, models, out["steps"],
@@ -493,9 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                         + f" [{time.monotonic() - started:.0f} s]", flush=True)
                 out["results"].append(cell)
     print("\n".join(report(out)))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+    runner.write_json(args.json, out["results"], **{k: v for k, v in out.items() if k not in ("results", "argv")})
     return 0
 
 

@@ -48,13 +48,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from commsched.bench import runner
 from commsched.bench.models import WORKLOADS
 from commsched.bench.systems import Commsched, System, TorchDDP, TorchFSDP2, decode, encode
 from commsched.strategy import AllReduce, Strategy
@@ -118,27 +117,16 @@ def lineup(bucket_mb: list[float], fixed_layout: bool, reduce_scatter: bool = Fa
 
 
 def run_cell(hosts: int, rate_gbit: float, optimizer: str, args: argparse.Namespace, port: int = 29541,
-             systems: tuple[System, ...] | None = None) -> dict:
+             systems: tuple[System, ...] | None = None, sample_cpu: bool = False) -> dict:
     """One fresh cluster: ``{"systems": {name: result as data}, "phases_s": seconds of the peak RSS phase
-    and of the comparison}``. ``systems``: this script's `lineup` unless given (benchmarks/layouts.py)."""
-    from commsched.bench.cluster import EmulatedCluster, LinkSpec, wait_for_hosts
-
+    and of the comparison}``, and with ``sample_cpu`` how busy the cores were (``"cpu"``). ``systems``:
+    this script's `lineup` unless given (benchmarks/layouts.py)."""
     systems = systems or lineup(args.ddp_bucket_mb, args.fixed_layout, args.reduce_scatter, not args.no_fsdp2)
     spec = {"workload": args.workload, "batch_size": args.batch_size, "iterations": args.iterations,
             "rounds": args.rounds, "warmup": args.warmup, "learning_rate": LEARNING_RATE[optimizer],
             "optimizer": optimizer, "systems": [encode(system) for system in systems]}
-    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(hosts, LinkSpec(rate_mbit=rate_gbit * 1000)) as cluster:
-        config_path, out_path = Path(tmp) / "config.json", Path(tmp) / "out.json"
-        config_path.write_text(json.dumps(spec))
-        procs = []
-        for host in range(hosts):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={hosts}", "--nproc-per-node=1",
-                    f"--node-rank={host}", f"--master-addr={cluster.address(0)}", f"--master-port={port}",
-                    __file__, "--worker", str(config_path), str(out_path)]
-            procs.append(cluster.popen(host, argv, {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"},
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        wait_for_hosts(procs, args.timeout_s, f"{optimizer} on {hosts} hosts")
-        return json.loads(out_path.read_text())
+    return runner.on_emulated_hosts(__file__, hosts, rate_gbit, spec, args.timeout_s,
+                                    f"{optimizer} on {hosts} hosts", torchrun=True, port=port, sample_cpu=sample_cpu)
 
 
 # ------------------------------------------------------------------ report
@@ -233,11 +221,11 @@ def _verdict(met: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = runner.make_parser(__doc__)
     parser.add_argument("--worker", nargs=2, type=Path, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=sorted(LEARNING_RATE))
-    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--rate-gbit", type=float, default=1.0, help="every host's link")
+    runner.add_hosts(parser, default=[2, 4])
+    runner.add_rate_gbit(parser, default=1.0)
     parser.add_argument("--workload", default=WORKLOAD, choices=sorted(WORKLOADS),
                         help="the model (default: the 22M-parameter MLP, whose forward pass hides little)")
     parser.add_argument("--batch-size", type=int, default=8, help="per host")
@@ -255,22 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduce-scatter", action="store_true",
                         help="also train AllReduce(shard_optimizer=True, reduce_scatter=True) (ZeRO-2)")
     parser.add_argument("--no-fsdp2", action="store_true", help="leave torch FSDP2 out (the slowest system)")
-    parser.add_argument("--repeats", type=int, default=1, help="fresh clusters per cell")
-    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per cluster")
-    parser.add_argument("--json", type=Path, help="write every run and the summaries here")
+    runner.add_repeats(parser, default=1, help="fresh clusters per cell")
+    runner.add_timeout(parser, default=1200.0, help="per cluster")
+    runner.add_json(parser, help="write every run and the summaries here")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return 0
-    from commsched.bench.cluster import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"sharded: {reason}; it needs the emulated cluster", file=sys.stderr)
-        return 2
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    record: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "commit": commit, "cells": []}
+    runner.refuse_below_one(parser, args, "repeats", "rounds", "iterations")
+    problem = runner.cluster_problem("sharded")
+    if problem:
+        return problem
+    cells: list[dict] = []
     report = []
     for optimizer in args.optimizers:
         for hosts in args.hosts:
@@ -279,14 +263,12 @@ def main(argv: list[str] | None = None) -> int:
             runs = [output["systems"] for output in outputs]
             cell = summarize(hosts, optimizer, runs, [ddp.name for ddp in ddp_sweep(args.ddp_bucket_mb)],
                              bounds(args.workload, hosts, args.rate_gbit, list(runs[0])))
-            record["cells"].append({**cell, "runs": runs, "phases_s": [output["phases_s"] for output in outputs]})
+            cells.append({**cell, "runs": runs, "phases_s": [output["phases_s"] for output in outputs]})
             report.append(markdown(cell, args.rate_gbit))
             phases = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in outputs[0]["phases_s"].items())
             print(f"{optimizer}, {hosts} hosts: {time.monotonic() - started:.0f} s ({phases})", file=sys.stderr,
                   flush=True)
-            if args.json:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(record, indent=1))
+            runner.write_json(args.json, cells)
     print("\n".join(report))
     return 0
 

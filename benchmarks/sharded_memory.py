@@ -19,8 +19,6 @@ about (N-1)/N of the unsharded state, less the one bucket it gathers at a time.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import commsched
+from commsched.bench import runner
 from commsched.bench.memory import fix_mmap_threshold, own_peak_rss_mib
 from commsched.strategy import AllReduce, Strategy
 from commsched.testing import run_ranks
@@ -100,8 +99,8 @@ def train_one_system(rank: int, world_size: int, device: str, system: str, width
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
@@ -109,8 +108,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--warmup", type=int, default=12, help="commsched plans at the end of warm-up")
     parser.add_argument("--iterations", type=int, default=6)
-    parser.add_argument("--json", help="write every rank's figures here")
-    args = parser.parse_args()
+    runner.add_json(parser, help="write every rank's figures here")
+    args = parser.parse_args(argv)
+    runner.refuse_below_one(parser, args, "world_size", "iterations")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU")
     backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
@@ -130,9 +130,7 @@ def main() -> None:
         print(f"{system:<44}{max(r['peak_mib'] for r in per_rank):>13.0f}"
               f"{max(r['state_bytes'] for r in per_rank) / 2**20:>11.0f}"
               f"{1000 * max(r['seconds_per_iteration'] for r in per_rank):>9.1f}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "backend": backend, "results": results}, out, indent=1)
+    runner.write_json(args.json, results, backend=backend)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ thread or descriptor count grew at all.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import commsched
+from commsched.bench import runner
 from commsched.testing import run_ranks
 
 
@@ -60,12 +60,13 @@ def soak(rank: int, world_size: int, iterations: int, warmup: int, every: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200, help="iterations before the first sample")
     parser.add_argument("--every", type=int, default=300)
     parser.add_argument("--max-rss-growth", type=float, default=0.02)
     args = parser.parse_args(argv)
+    runner.refuse_below_one(parser, args, "iterations", "every")
     per_rank = run_ranks(soak, 2, args.iterations, args.warmup, args.every, timeout_s=3600)
     failed = False
     for rank, samples in enumerate(per_rank):

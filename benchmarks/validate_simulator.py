@@ -25,15 +25,14 @@ prints them.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
 import re
 import statistics
 import sys
 from pathlib import Path
 
+from commsched.bench import runner
 from commsched.bench.grid import BATCH, DDP_SWEEP_MB, run_cell
 from commsched.bench.results import Cell
 from commsched.bench.systems import Commsched, ComputeOnly, TorchDDP
@@ -194,14 +193,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", nargs="+", type=int, default=[2, 4])
+    parser = runner.make_parser(__doc__)
+    runner.add_hosts(parser, default=[2, 4])
     parser.add_argument("--models", nargs="+", default=sorted(BATCH), choices=sorted(BATCH))
-    parser.add_argument("--rates-gbit", nargs="+", type=float, default=[0.25, 1.0, 10.0])
+    runner.add_rates_gbit(parser, default=[0.25, 1.0, 10.0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--timeout-s", type=float, default=1800)
+    runner.add_timeout(parser, default=1800)
     parser.add_argument("--out", type=Path, default=Path("results/validation"))
     parser.add_argument("--from-runs", type=Path, metavar="RUNS_JSON",
                         help="simulate the cells of an earlier run's runs.json again, without measuring")
@@ -211,16 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.in_flight is not None and not args.from_runs:
         parser.error("--in-flight replays an earlier run: give --from-runs too")
+    runner.refuse_below_one(parser, args, "rounds", "iterations")
     if args.from_runs:
-        record = json.loads(args.from_runs.read_text())
-        print(report(record, args.in_flight))
+        print(report(runner.read_rows(args.from_runs), args.in_flight))
         return 0
-    from commsched.bench.cluster import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"validate_simulator: {reason}; the emulated cluster needs it", file=sys.stderr)
-        return 2
+    problem = runner.cluster_problem("validate_simulator")
+    if problem:
+        return problem
     args.out.mkdir(parents=True, exist_ok=True)
     record = []
     for hosts, model, rate in itertools.product(args.hosts, args.models, args.rates_gbit):
@@ -228,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}, {hosts} hosts, {rate:g} Gbit/s ...", flush=True)
         run = run_cell(cell, SYSTEMS, args.rounds, args.iterations, args.warmup, args.timeout_s, profile=True)
         record.append({"cell": dataclasses.asdict(cell), "run": run})
-        (args.out / "runs.json").write_text(json.dumps(record, indent=1))
+        runner.write_json(args.out / "runs.json", record)
         (args.out / "validation.md").write_text(report(record))
     print(report(record))
     return 0
