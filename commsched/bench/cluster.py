@@ -63,9 +63,9 @@ all-reduces of 0.5 MiB took more than twice their median of 13 ms, up to
 96-112 ms (one rank's part done, the others' 40 ms or more later), and an
 iteration whose collective met one lost that much: commsched's iterations in
 the VGG16 cell spread from 226 to 409 ms around a median of 235-259. With every
-host's route acknowledging at once, 0-1 of 290 did, the longest 22-30 ms
-(``benchmarks/ack_stalls.py``). Among 2 hosts delayed ACKs cost 1-3 stalls
-of 17-23 ms in 290; among 8, none, and acknowledging at once makes the median
+host's route acknowledging at once, 0-1 of 290 did, the longest 22-30 ms ("2 to 8
+hosts with immediate ACKs" in docs/benchmarks.md). Among 2 hosts delayed ACKs cost
+1-3 stalls of 17-23 ms in 290; among 8, none, and acknowledging at once makes the median
 all-reduce of 0.5 MiB slower there (28 ms against 24: twice the ACK packets, on
 two cores for eight hosts). The emulated links are meant to have a rate, not
 100 ms stalls, so every host's route acknowledges at once (a route option, gone
@@ -144,7 +144,7 @@ class EmulatedCluster:
     def __init__(self, num_hosts: int, link: LinkSpec = LinkSpec(), tag: str | None = None,
                  immediate_acks: bool = True):
         """``immediate_acks``: every host's route acknowledges at once (`HOST_ROUTE_OPTIONS`); False
-        leaves Linux's delayed ACKs, to measure what they cost (``benchmarks/ack_stalls.py``)."""
+        leaves Linux's delayed ACKs, to measure what they cost."""
         if num_hosts < 1 or num_hosts > 200:
             raise ValueError(f"num_hosts must be between 1 and 200, got {num_hosts}")
         self.num_hosts = num_hosts
