@@ -4,7 +4,7 @@
 updates only chunk ``r`` of every bucket (see [Note: shard layout] in
 `commsched.layout.shards`), so it needs only that chunk averaged. A
 reduce-scatter gives it exactly that, and moves half an all-reduce's bytes
-(with NCCL; gloo's takes as long as its all-reduce: `benchmarks/collectives.py`).
+(with NCCL; gloo's takes as long as its all-reduce: `benchmarks/collectives.py` at 4f3da97).
 
 - Which buckets: every one but the bucket the forward pass needs first. That
   one carries the usage flags (see [Note: unused parameters] in
@@ -108,7 +108,7 @@ class Scatter:
                  by_all_to_all: bool):
         """[Note: reduce-scatter on gloo] gloo's reduce-scatter has no future, so nothing could
         tell the dispatcher it is done without a thread blocked on it, and it takes as long as an
-        all-reduce (`benchmarks/collectives.py`). On gloo each rank instead sends every other rank
+        all-reduce (`benchmarks/collectives.py` at 4f3da97). On gloo each rank instead sends every other rank
         that rank's piece with one ``all_to_all_single`` (the bytes of a reduce-scatter, every
         link at once) and sums what it receives, in rank order, once it is done.
 
