@@ -63,8 +63,8 @@ all-reduces of 0.5 MiB took more than twice their median of 13 ms, up to
 96-112 ms (one rank's part done, the others' 40 ms or more later), and an
 iteration whose collective met one lost that much: commsched's iterations in
 the VGG16 cell spread from 226 to 409 ms around a median of 235-259. With every
-host's route acknowledging at once, 0-1 of 290 did, the longest 22-30 ms ("2 to 8
-hosts with immediate ACKs" in docs/benchmarks.md). Among 2 hosts delayed ACKs cost
+host's route acknowledging at once, 0-1 of 290 did, the longest 22-30 ms
+(docs/records/2026-11-28-emulated-hosts-tcp.md). Among 2 hosts delayed ACKs cost
 1-3 stalls of 17-23 ms in 290; among 8, none, and acknowledging at once makes the median
 all-reduce of 0.5 MiB slower there (28 ms against 24: twice the ACK packets, on
 two cores for eight hosts). The emulated links are meant to have a rate, not
