@@ -260,7 +260,8 @@ _PHASES = {Phase.TUNING: "tuning", Phase.TUNED: "tuned", Phase.RETUNING: "re-tun
 def _tuning(reducer: GradientReducer) -> TuningStatus | None:
     if reducer.config.tuning is None:
         return None
-    log = TuningLog() if reducer.tuning is None else reducer.tuning.log
+    tuning = reducer.layouts.tuning
+    log = TuningLog() if tuning is None else tuning.log
     if log.current is None:
         return TuningStatus("warm-up", "tuning starts when warm-up ends", (), 0, None, None, (), None)
     trials = tuple(TrialStatus(t.setting, t.median_s * 1e3) for t in (log.studies[-1] if log.studies else ()))
@@ -273,14 +274,15 @@ def _tuning(reducer: GradientReducer) -> TuningStatus | None:
 
 
 def _partitioning(reducer: GradientReducer) -> str:
-    if reducer.confirming is not None and reducer.tuning is not None:
-        measured = confirmation.describe(reducer.tuning.log, *reducer.confirming)
-        if reducer.choice is not None and reducer.choice.predictions:
-            return f"{measured}; its prediction: {reducer.choice.reason}"
+    layouts = reducer.layouts
+    tuning, choice = layouts.tuning, layouts.choice
+    if layouts.confirming is not None and tuning is not None:
+        measured = confirmation.describe(tuning.log, *layouts.confirming)
+        if choice is not None and choice.predictions:
+            return f"{measured}; its prediction: {choice.reason}"
         return measured
-    if reducer.tuning is not None and reducer.tuning.log.current is not None:
+    if tuning is not None and tuning.log.current is not None:
         return "the auto-tuner's setting in use (see auto-tuning)"
-    choice = reducer.choice
     if choice is None:
         if reducer.config.adaptive and reducer.lifecycle is not Lifecycle.RELEASED:
             return "as configured until warm-up ends; then the cost model's choice"

@@ -7,13 +7,14 @@ order, credit) -> `Transport.launch` -> `Handle` completes -> the pass
 completes the bucket -> `UpdatePolicy.update` (at ``step()`` without overlap,
 at the module's gate with it).
 
-The reducer holds what lasts across iterations and sequences it: the
-`RunConfig` (with the layout in use), the `GradLayout`, the agreed `Plan`, the
-`Lifecycle` and the current `BackwardPass`; and it answers the user's calls
+The reducer sequences one model's iterations: the `Lifecycle`, the current
+`BackwardPass` and where the autograd pass is; and it answers the user's calls
 (``step``, ``synchronize``, ``zero_grad``, ``no_sync``). Every other job is an
-object it owns, each handed what it needs: the hooks, the forward gating, the
-warm-up (dropped when it is over), the tuning session, the buffer broadcast,
-Join's support and the shutdown.
+object it owns, each handed what it needs: the layout and plan in use and the
+points where they change (`LayoutInUse`), the hooks, the forward gating,
+forward overlap and an adopted optimizer (`ForwardOverlap`), the warm-up
+(dropped when it is over), the buffer broadcast, Join's support, the
+reduce-scatter decision and the shutdown.
 """
 
 from __future__ import annotations
@@ -40,24 +41,18 @@ from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
 from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
 from commsched.engine.labels import phase
+from commsched.engine.layouts import LayoutInUse
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.overlap import ONE_REPLICA_REASON as ONE_REPLICA_REASON
 from commsched.engine.overlap import ForwardOverlap
 from commsched.engine.scattering import ScatterDecision
 from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
-from commsched.engine.tuning import TuningSession, autotuner, confirmation
 from commsched.engine.views_ahead import ViewsAhead
-from commsched.engine.warmup import Warmup, WarmupResult
+from commsched.engine.warmup import Warmup
 from commsched.errors import CommunicationTimeout, communication_failed
-from commsched.layout.grad_layout import GradLayout, build_layout
-from commsched.layout.partitions import Plan, fifo_plan
-from commsched.layout.setting import LayoutSetting
-from commsched.planning.cost_model import Choice
-from commsched.planning.plans import WarmupTimeline, bucket_ready_s, plan_on_rank0
-from commsched.tuning.confirmation import describe as confirmation_reason
-from commsched.tuning.confirmation import whole_buckets
-from commsched.tuning.guesses import TuningStart
+from commsched.layout.grad_layout import GradLayout
+from commsched.layout.partitions import Plan
 from commsched.update.base import UpdatePolicy
 from commsched.update.grad_scaling import GRAD_SCALER_REASON, GradScaling
 from commsched.watch.autograd_context import inside_outer_backward
@@ -75,7 +70,7 @@ from commsched.watch.guards import (
 logger = logging.getLogger("commsched")
 
 class GradientReducer:
-    """The layout, the plan, the current pass and the lifecycle of one prepared model; the user's calls."""
+    """The current pass and the lifecycle of one prepared model, and the user's calls."""
 
     def __init__(
         self,
@@ -88,26 +83,14 @@ class GradientReducer:
     ):
         """``awaiting_optimizer``: no optimizer yet, one may be adopted at its first ``step()``
         (see [Note: an adopted optimizer] in `commsched.engine.overlap`)."""
-        self.module, self.config, self.transport, self.policy, self.groups = module, config, transport, policy, groups
+        self.module, self.transport, self.policy, self.groups = module, transport, policy, groups
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.lifecycle = Lifecycle.RECORDING
-        self.layout: GradLayout | None = None
-        self.plan: Plan | None = None
         self.current: BackwardPass | None = None
         """The latest synchronised backward pass (its updates may still be pending)."""
         self.previous_figures: IterationFigures | None = None
-        self.choice: Choice | None = None
-        """The cost model's choice (its reasons on rank 0 only), once made."""
-        self.tuning: TuningSession | None = None
-        """With ``Strategy(autotune=True)``, from the end of warm-up on; or while the cost model's
-        partitions are measured against whole buckets (`confirming`)."""
-        self.confirming: tuple[LayoutSetting, LayoutSetting] | None = None
-        """The cost model's choice and the configured buckets sent whole, where the two are (or were)
-        measured against each other; see [Note: confirming the choice] in `commsched.tuning.confirmation`."""
-        self._timeline: WarmupTimeline | None = None
-        """What plans for a new layout are made from, kept from warm-up."""
         self._phase = Phase.IDLE
         self._end_deferred = False
         """The backward pass's end-of-pass callback ran in a nested backward pass
@@ -115,9 +98,6 @@ class GradientReducer:
         self._sync_enabled = True
         self._scatter_decision = ScatterDecision(transport.scatter, lambda: groups.control, config.timeout_s)
         """Whether the loop lets gradients be reduce-scattered (see [Note: reduce-scattered buckets])."""
-        self._repeated_slots: frozenset[int] | None = None
-        """Slots whose buckets are issued only at the end of backward (None: all, until
-        a first pass was seen); see [Note: nested backward passes]."""
         self._views_ahead = ViewsAhead(module, self.params)
         self._fingerprint = ParameterFingerprint(module)
         self._events = EventBus()
@@ -129,6 +109,8 @@ class GradientReducer:
         self.gating = ForwardGating(module, self.params, self.names, self.wait_for_buckets)
         self.overlap = ForwardOverlap(config.overlap_requested, policy, transport.is_local, awaiting_optimizer,
                                       self.gating.remove_gates)
+        self.layouts = LayoutInUse(self.names, self.params, config, transport, policy, groups, self.gating,
+                                   self.overlap, self._events)
         self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build)
         """Until warm-up is over and the reads it watched are no longer watched."""
         self.hooks = ModelHooks(module, self.params, self)
@@ -155,149 +137,45 @@ class GradientReducer:
         """No optimizer yet: one may be adopted at its first ``step()`` during warm-up."""
         return self.overlap.awaiting_optimizer
 
-    def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
-        """The first layout, once the forward order is known; warm-up starts."""
-        self.gating.readers_found(read_before_owner)
-        self._relayout(forward_order)
-        overlap_possible = self.overlap_off_reason is None and self.overlap.updates_per_bucket
-        self.warmup.layout_built(self.gating.modules() if overlap_possible else None)
-        self.lifecycle = Lifecycle.WARMUP
+    @property
+    def config(self) -> RunConfig:
+        """The `Strategy` resolved once; its layout setting is the one in use."""
+        return self.layouts.config
 
-    def _relayout(self, forward_order: Sequence[int]) -> None:
-        """Buckets, partitions and gates for the layout in use; gradients move into the new buckets."""
-        config, transport = self.config, self.transport
-        self.gating.remove_gates()
-        if self.layout is not None:
-            # Let go of the old buckets first: with the activations of a forward pass
-            # alive, old and new buffers together would raise the peak memory by one
-            # copy of every gradient. (Gradients still in them move bucket by bucket.)
-            # Nothing that holds them is in a reference cycle (a finished pass lets go
-            # of its dispatcher's launch), so they go here, without a collection.
-            self.layout = None
-            self.policy.detach()
-        layout = build_layout(
-            self.names, self.params, forward_order, config.bucket_size_limits_bytes, transport.sums_usage_flags,
-            lambda bucket_set: transport.attach(bucket_set, config.partition_bytes),
-            verdict_slots=transport.world_size if config.check_finite else 0,
-            chunk_padding=1 if transport.scatter is None else transport.scatter.chunk_padding,
-        )
-        self.layout = layout
-        self.plan = Plan(layout.partitions, tuple(fifo_plan(layout.partitions)), config.credit_bytes)
-        self.policy.attach(layout)
-        if self.overlap_off_reason is None:
-            self.gating.install(layout)
-        self._events.layout_built(layout, transport.describe().placement)
+    @property
+    def layout(self) -> GradLayout | None:
+        return self.layouts.layout
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.layouts.plan
 
     @property
     def reduce_scatter_off_reason(self) -> str | None:
         """Why gradients stay all-reduced though the strategy asks for a reduce-scatter; None otherwise."""
         return self._scatter_decision.off_reason(warming_up=self.lifecycle is Lifecycle.WARMUP)
 
-    def _finish_warmup(self) -> tuple[int, ...] | None:
-        """At the first iteration after warm-up: the cost model's choice, the plan, overlap or not, tuning.
+    def _build(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
+        """The first layout, once the forward order is known; warm-up starts."""
+        overlap_possible = self.layouts.first(forward_order, read_before_owner)
+        self.warmup.layout_built(self.gating.modules() if overlap_possible else None)
+        self.lifecycle = Lifecycle.WARMUP
 
-        Returns the new plan's order if there is one.
-        """
-        started = time.perf_counter()
+    def _finish_warmup(self) -> tuple[int, ...] | None:
+        """At the first iteration after warm-up: the choice, the plan, overlap or not, tuning
+        (`LayoutInUse.after_warmup`). Returns the new plan's order if there is one."""
         if self.overlap.awaiting_optimizer:
             self.overlap.optimizer_settled()  # none was adopted: train as prepared without one
         result = self.warmup.finish(self.layout)
-        self.choice = result.choice
-        new_order = None
-        configured = self.config.layout
-        scattering = self._scatter_decision.start()
-        relaid = result.timeline is not None and result.choice is not None and self._use_partitioning(result.choice)
-        if scattering and not relaid:
-            self._relayout(self.layout.forward_order)
-        if result.timeline is not None:
-            self._timeline = result.timeline
-            self.plan = self._agree_on_plan()
-            new_order = self.plan.order
-            logger.info("commsched: agreed on an order of %d partitions in %d buckets in %.1f ms",
-                        len(new_order), len(self.layout.buckets), (time.perf_counter() - started) * 1e3)
+        new_order = self.layouts.after_warmup(result, scattering=self._scatter_decision.start())
         self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
-        if result.reads is not None and self.lifecycle is Lifecycle.OVERLAPPING:
-            self.gating.use_recorded_reads(result.reads, self.layout)
-        if self.config.tuning is not None and self._timeline is not None:
-            self.tuning = self._start_tuning(result)
-        elif (self.config.measures_choice and result.choice is not None
-              and self.config.layout != whole_buckets(configured)):
-            # Every rank knows the chosen setting, so every rank starts the same switch points.
-            self.confirming = (self.config.layout, whole_buckets(configured))
-            beside = [s.on(configured) for s in (result.choice.runner_up, result.choice.best_whole) if s is not None]
-            self.tuning = TuningSession(confirmation(*self.confirming, beside), self.groups, self.transport,
-                                        self.config.timeout_s, "the check of the cost model's choice of layout")
-        if self.tuning is not None:
-            new_order = self._tuning_switch_point(WARMUP_ITERATIONS) or new_order
         return new_order
 
-    def _use_partitioning(self, choice: Choice) -> bool:
-        """Lay the buckets out anew if the cost model chose another partitioning; True if so.
-
-        Runs at the first gradient of the first iteration after warm-up, on every
-        rank (the choice is rank 0's), before that pass's state exists: the
-        reductions of the previous pass are complete and its updates applied, and
-        the gradients accumulated so far move into the new buckets.
-        """
-        chosen = choice.setting.on(self.config.layout)
-        if chosen == self.config.layout:
-            return False
-        self.config = self.config.with_layout(chosen)
-        self._relayout(self.layout.forward_order)
-        logger.info("commsched: %d buckets, %d partitions from now on: %s", len(self.layout.buckets),
-                    len(self.layout.partitions), choice.reason)
-        return True
-
-    def _agree_on_plan(self) -> Plan:
-        """Rank 0's plan for the layout in use, from the warm-up's timeline (collective); without forward
-        overlap, the order the buckets become ready ([Note: a plan without urgency])."""
-        timeline, layout = self._timeline, self.layout
-        ready = bucket_ready_s(timeline.slot_ready_s, layout, self._held_buckets() or frozenset())
-        with failures_explained(self.transport):
-            return plan_on_rank0(layout.partitions, ready, timeline, self.config.credit_bytes, self.groups.control,
-                                 self.config.timeout_s, overlapping=self.overlap_off_reason is None)
-
-    # ------------------------------------------------------------- auto-tuning
-    def _start_tuning(self, warmup: WarmupResult) -> TuningSession:
-        allowed = self.config.overlap_requested and self.overlap.blocked is None
-        start = TuningStart(self.config.layout, warmup.cost_timeline, allowed,
-                            tuple((p.numel(), p.element_size()) for p in self.params),
-                            tuple(self.layout.forward_order), dist.get_world_size(self.groups.replicas))
-        gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
-        return TuningSession(autotuner(self.config.tuning, start, gradient_bytes), self.groups, self.transport,
-                             self.config.timeout_s, "Strategy(autotune=True)")
-
     def _tuning_switch_point(self, iteration: int) -> tuple[int, ...] | None:
-        """[Note: auto-tuning] The setting rank 0 decided, laid out and planned on every rank.
-
-        Runs where `_use_partitioning` runs (the start of a synchronised pass,
-        before its state exists), on every rank at the same iteration. Returns
-        the new plan's order if the layout changed.
-        """
-        layout_before, overlap_before = self.config.layout.layout(), self.overlap_off_reason
-        setting = self.tuning.switch_point(iteration, self.config.layout)
-        self.config = self.config.with_layout(setting)
-        if setting.layout() == layout_before and self.overlap_off_reason == overlap_before:
-            return None
-        self._relayout(self.layout.forward_order)
-        self.gating.map_reads(self.layout)
-        self.plan = self._agree_on_plan()
-        self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
-        why = (confirmation_reason(self.tuning.log, *self.confirming) if self.confirming is not None
-               else self.tuning.log.describe())
-        logger.info("commsched: %s from iteration %d on (%s): %d buckets, %d partitions", setting.describe(),
-                    iteration, why, len(self.layout.buckets), len(self.layout.partitions))
-        return self.plan.order
-
-    def _layout_may_change(self, iteration: int) -> bool:
-        """Whether the pass of ``iteration`` may lay the buckets out anew (the end of warm-up, a tuning switch)."""
-        return iteration == WARMUP_ITERATIONS or (self.tuning is not None and self.tuning.switches_at(iteration))
-
-    def _held_buckets(self) -> frozenset[int] | None:
-        """Buckets issued only at the end of backward; see [Note: nested backward passes]."""
-        if self._repeated_slots is None:
-            return None
-        return frozenset(self.layout.bucket_of[slot] for slot in self._repeated_slots)
+        new_order = self.layouts.switch_point(iteration)
+        if new_order is not None:
+            self.lifecycle = Lifecycle.after_warmup(self.overlap_off_reason)
+        return new_order
 
     # ---------------------------------------------------------------- backward
     def gradient_ready(self, slot: int, param: torch.Tensor) -> None:
@@ -348,13 +226,13 @@ class GradientReducer:
             self.previous_figures = self.current.figures
             self.current.drop_handles()
             self.current = None
-        if self.tuning is not None:
-            self.tuning.pass_started(iteration, time.perf_counter())
+        if self.layouts.tuning is not None:
+            self.layouts.tuning.pass_started(iteration, time.perf_counter())
         new_order = None
         if iteration == WARMUP_ITERATIONS:
             with phase("commsched::warmup"):
                 new_order = self._finish_warmup()
-        elif self._layout_may_change(iteration):
+        elif self.layouts.may_change(iteration):
             new_order = self._tuning_switch_point(iteration)
         self.transport.begin_iteration(iteration, new_order)
         finite_check = None
@@ -364,7 +242,7 @@ class GradientReducer:
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.config.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
-            held_buckets=self._held_buckets(), finite_check=finite_check,
+            held_buckets=self.layouts.held_buckets(), finite_check=finite_check,
         )
         self.current.views_handed = self._views_ahead.taken()
         self._events.iteration_started(iteration)
@@ -385,7 +263,8 @@ class GradientReducer:
             return
         current = self.current
         current.end_backward()
-        self._repeated_slots = frozenset(current.repeated_slots) | (self._repeated_slots or frozenset())
+        layouts = self.layouts  # held to the end of backward from now on: [Note: nested backward passes]
+        layouts.repeated_slots = frozenset(current.repeated_slots) | (layouts.repeated_slots or frozenset())
         if not current.overlapping:
             current.complete_all()
         self._events.backward_finished()
@@ -397,7 +276,7 @@ class GradientReducer:
         if self._phase is not Phase.IDLE or not self._sync_enabled or self.layout is None:
             return
         current = self.current
-        if self._layout_may_change(0 if current is None else current.iteration + 1):
+        if self.layouts.may_change(0 if current is None else current.iteration + 1):
             return  # gradients in the old buckets would keep them alive beside the new ones
         self._views_ahead.hand_out(self.layout, (lambda bucket: True) if current is None else current.settled,
                                    lambda: self._phase is Phase.IDLE)
