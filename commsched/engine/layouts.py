@@ -70,6 +70,7 @@ class LayoutInUse:
 
     @property
     def overlap_off_reason(self) -> str | None:
+        """Why forward overlap is (or will be) off under the layout setting in use; None while it is on or possible."""
         return self._overlap.off_reason(self.config.layout)
 
     def first(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> bool:

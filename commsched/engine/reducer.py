@@ -43,7 +43,6 @@ from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_J
 from commsched.engine.labels import phase
 from commsched.engine.layouts import LayoutInUse
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
-from commsched.engine.overlap import ONE_REPLICA_REASON as ONE_REPLICA_REASON
 from commsched.engine.overlap import ForwardOverlap
 from commsched.engine.scattering import ScatterDecision
 from commsched.engine.shutdown import Shutdown
@@ -130,7 +129,7 @@ class GradientReducer:
     @property
     def overlap_off_reason(self) -> str | None:
         """Why forward overlap is (or will be) off; None while it is on or still possible."""
-        return self.overlap.off_reason(self.config.layout)
+        return self.layouts.overlap_off_reason
 
     @property
     def awaiting_optimizer(self) -> bool:
@@ -185,7 +184,7 @@ class GradientReducer:
         elif self._end_deferred:
             self._end_deferred = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        view = self.layout.views[slot]
+        view = self.layouts.layout.views[slot]  # hot path: the attribute, not the property
         grad = param.grad
         if grad is not view:
             # None before this backward (zero_grad(set_to_none=True)) or replaced by the

@@ -81,6 +81,7 @@ def _entry_name(relative: str, function: str) -> str:
 def traced(ways: dict[str, list[Way]]) -> Iterator[None]:
     """Record, per entry and per call of it, the commsched files the calls on this thread go through."""
     current: list[tuple[str, Way] | None] = []
+    """Per frame on the stack, the innermost commsched file and way at or below it (None: none yet)."""
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
         if event == "return":
@@ -90,9 +91,9 @@ def traced(ways: dict[str, list[Way]]) -> Iterator[None]:
         if event != "call":
             return
         relative = _relative(frame.f_code.co_filename)
-        caller = next((entry for entry in reversed(current) if entry is not None), None)
+        caller = current[-1] if current else None
         if relative is None or relative.startswith(("testing/", "bench/")):
-            current.append(None if caller is None else caller)
+            current.append(caller)
             return
         caller_file = None if caller is None else caller[0]
         if caller is None:
@@ -121,7 +122,8 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _run(rank: int, world_size: int, iterations_before: int) -> dict[str, tuple[list[str], dict[str, int]]]:
+def _run(rank: int, world_size: int, iterations_before: int
+         ) -> dict[str, list[tuple[list[str], dict[str, int], list[str]]]]:
     import commsched
 
     model = _model()

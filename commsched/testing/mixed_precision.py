@@ -17,7 +17,7 @@ from torch import nn
 
 import commsched
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
-from commsched.engine.reducer import ONE_REPLICA_REASON
+from commsched.engine.overlap import ONE_REPLICA_REASON
 from commsched.testing.models import ParityNet
 from commsched.testing.parity import batches, rank_slice, uses_aux
 from commsched.testing.reference import OPTIMIZERS, assert_same_parameters, one_process_loss, reference_copy

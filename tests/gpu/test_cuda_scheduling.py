@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import commsched
-from commsched.engine.reducer import ONE_REPLICA_REASON
+from commsched.engine.overlap import ONE_REPLICA_REASON
 from commsched.testing import run_ranks, run_subtests
 from commsched.testing.hung_peers import HANG_POINTS, hung_peer
 from commsched.testing.parity import random_delays, train_and_compare
