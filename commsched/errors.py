@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -87,6 +88,17 @@ def wait_or_raise(work: dist.Work, timeout_s: float, what: str) -> None:
 def communication_failed() -> bool:
     """Whether communication failed in this process: its groups may hold work that never ends."""
     return _failures > 0
+
+
+@contextmanager
+def failures_explained(explain: Callable[[CommunicationTimeout], None]) -> Iterator[None]:
+    """A `CommunicationTimeout` raised inside goes through ``explain`` (a transport's
+    ``explain_failure``, which names the lost rank) on its way up."""
+    try:
+        yield
+    except CommunicationTimeout as error:
+        explain(error)
+        raise
 
 
 def abandon_process_groups(groups: Iterable[dist.ProcessGroup | None], *, abort: bool) -> None:

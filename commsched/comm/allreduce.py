@@ -43,7 +43,8 @@ class _WorkHandle:
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
-        copy_back(self._bucket, self._partition.start, self._partition.end)
+        if self._bucket.wire_dtype != self._bucket.dtype:  # summed in another dtype: back into the gradients
+            copy_back(self._bucket, self._partition.start, self._partition.end)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -100,7 +101,8 @@ class _TwoStepHandle:
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
-        copy_back(self._bucket, self._partition.start, self._partition.end)
+        if self._bucket.wire_dtype != self._bucket.dtype:  # summed in another dtype: back into the gradients
+            copy_back(self._bucket, self._partition.start, self._partition.end)
 
     def is_completed(self) -> bool:
         return self._reduction.is_completed()
@@ -155,7 +157,11 @@ class AllReduceTransport:
         )
 
     def bucket_ready(self, bucket: Bucket) -> None:
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return
+        if bucket.wire_dtype == bucket.dtype:  # the wire is the gradients: averaged in place
+            bucket.flat[:bucket.grad_numel].div_(self.world_size)
+        else:
             average_onto_wire(bucket, self.world_size)
 
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:

@@ -8,8 +8,7 @@ codec).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -147,12 +146,3 @@ class Transport(Protocol):
     def forget_process_groups(self) -> None:
         """At exit, after `finish`: drop references to process groups (see [Note: process groups at exit])."""
 
-
-@contextmanager
-def failures_explained(transport: Transport) -> Iterator[None]:
-    """Let ``transport`` name the lost rank when a collective among the replicas fails inside."""
-    try:
-        yield
-    except CommunicationTimeout as error:
-        transport.explain_failure(error)
-        raise

@@ -43,9 +43,8 @@ import torch
 from commsched.comm.transport import Handle, Transport
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
-from commsched.engine.events import Observer
+from commsched.engine.events import EventBus, phase
 from commsched.engine.finite import FiniteCheck, flag_nonfinite
-from commsched.engine.labels import phase
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -80,7 +79,7 @@ class BackwardPass:
         plan: Plan,
         transport: Transport,
         policy: UpdatePolicy,
-        events: Observer,
+        events: EventBus,
         tracker: CallbackTracker,
         timeout_s: float,
         overlapping: bool,
@@ -193,7 +192,8 @@ class BackwardPass:
             if self._finite is not None:
                 self._finite.write_slots(bucket.tail[len(self.has_grad):])
         self._launch_versions[index] = bucket.flat._version
-        self._events.bucket_ready(index)
+        if self._events.observed:
+            self._events.bucket_ready(index)
         self._dispatcher.bucket_ready(index)
 
     def _launch(self, partition: Partition) -> Handle:
@@ -204,7 +204,8 @@ class BackwardPass:
         figures = self.figures
         figures.partitions_issued += 1
         figures.bytes_issued += partition.nbytes
-        self._events.partition_issued(partition, handle)
+        if self._events.observed:
+            self._events.partition_issued(partition, handle)
         return handle
 
     def _resolve_unready_parameters(self, without_gradients: bool) -> None:
@@ -345,7 +346,8 @@ class BackwardPass:
                 finished = time.perf_counter()
                 self.figures.exposed_wait_s += finished - started
                 if self._update_order is not None:
-                    self._events.update_waited(bucket, started, finished)
+                    if self._events.observed:
+                        self._events.update_waited(bucket, started, finished)
                 self._finished[bucket] = True
                 self.outstanding -= 1
 
@@ -360,7 +362,8 @@ class BackwardPass:
                 self._policy.update(bucket, self.hyperparameters, self._globally_unused, self.update_scaling)
             finished = time.perf_counter()
             self.figures.update_s += finished - started
-            self._events.bucket_updated(bucket, started, finished)
+            if self._events.observed:
+                self._events.bucket_updated(bucket, started, finished)
             self._updated[bucket] = True
 
     def _every_update_needs_flags(self) -> bool:
@@ -380,7 +383,8 @@ class BackwardPass:
         self._reduced[bucket] = True
         finished = time.perf_counter()
         self.figures.exposed_wait_s += finished - started
-        self._events.reduction_waited(bucket, started, finished)
+        if self._events.observed:
+            self._events.reduction_waited(bucket, started, finished)
 
     def _settle_flags(self) -> None:
         """Read which parameters some rank used; see [Note: unused parameters]."""

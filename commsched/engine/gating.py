@@ -1,6 +1,6 @@
 """Which buckets the training loop waits for, and where: the forward gates, and the reads outside them.
 
-With forward overlap, each module's gate (`commsched.engine.gates`) waits for
+With forward overlap, each module's gate (`commsched.engine.hooks.ForwardGates`) waits for
 its own buckets. What warm-up saw decides the rest (see [Note: reads outside
 the forward pass] and [Note: reads before the gate] in `commsched.watch.reads`):
 buckets the loop reads before the forward pass are updated at ``step()``, those
@@ -13,19 +13,17 @@ and maps them to the buckets of each layout.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from commsched.engine.gates import ForwardGates
+from commsched.engine.hooks import ForwardGates, WaitForBuckets
 from commsched.layout.grad_layout import GradLayout, gating_modules
 from commsched.watch.autograd_context import running_backward
 from commsched.watch.reads import ParameterReads
 
 logger = logging.getLogger("commsched")
-
-WaitForBuckets = Callable[[Sequence[int]], None]
 
 
 class ForwardGating:

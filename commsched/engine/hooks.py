@@ -12,8 +12,18 @@
   load is announced once, by the outermost module it started at
   (`HookTarget.state_loaded`).
 
-Hooks of one phase (the gates, the first forward pass's recording, the reads
-watched during warm-up) belong to the objects of that phase.
+With forward overlap, the forward gates too (`ForwardGates`): a forward
+pre-hook on every module that owns parameters or reads others' before their
+module runs (`commsched.layout.grad_layout.gating_modules`), placed by
+`commsched.engine.gating` for each layout; the root's runs before any other.
+A gate asks the current backward pass to finish its buckets: wait for their
+reductions, then run the updates ``step()`` released. The CPU waits on the
+handle; modules whose buckets are done pass straight through.
+
+Every hook passes straight through during a recomputation in backward
+(activation checkpointing): see [Note: recomputation] in
+`commsched.watch.autograd_context`. Hooks of warm-up alone (the first forward
+pass's recording, the reads watched) belong to the objects of warm-up.
 """
 
 from __future__ import annotations
@@ -26,7 +36,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from commsched.engine.events import phase
 from commsched.watch.autograd_context import running_backward
+
+WaitForBuckets = Callable[[Sequence[int]], None]
 
 
 class HookTarget(Protocol):
@@ -128,3 +141,39 @@ def _gradient_hook(target: HookTarget, slot: int) -> Callable[[torch.Tensor], No
             target.gradient_ready(slot, param)
 
     return on_gradient_accumulated
+
+
+class ForwardGates:
+    """Installs one forward pre-hook per gated module; `remove` takes them off."""
+
+    def __init__(
+        self,
+        gates_of_slots: Sequence[Sequence[torch.nn.Module]],
+        bucket_of: Sequence[int],
+        wait_for: WaitForBuckets,
+    ):
+        """``gates_of_slots``: per slot, the modules that wait for its bucket."""
+        buckets_of: dict[int, tuple[torch.nn.Module, set[int]]] = {}
+        for slot, modules in enumerate(gates_of_slots):
+            for module in modules:
+                buckets_of.setdefault(id(module), (module, set()))[1].add(bucket_of[slot])
+        # The root's is registered after its own pre-hook (checks, buffer broadcast), so it runs after it.
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(_gate(tuple(sorted(buckets)), wait_for))
+            for module, buckets in buckets_of.values()
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _gate(buckets: Sequence[int], wait_for: WaitForBuckets):
+    def gate(module: torch.nn.Module, args: object) -> None:
+        if not running_backward():
+            with phase("commsched::gate"):
+                wait_for(buckets)
+
+    # In a compiled model the gate runs as it is, between two graphs: dynamo must not trace the engine.
+    return torch.compiler.disable(gate, reason="commsched's forward gate waits for and updates buckets")

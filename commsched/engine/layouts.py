@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from commsched.comm.transport import Transport, failures_explained
+from commsched.comm.transport import Transport
 from commsched.engine.config import RunConfig
 from commsched.engine.events import EventBus
 from commsched.engine.gating import ForwardGating
@@ -37,6 +37,7 @@ from commsched.tuning.confirmation import describe as confirmation_reason
 from commsched.tuning.confirmation import whole_buckets
 from commsched.tuning.guesses import TuningStart
 from commsched.update.base import UpdatePolicy
+from commsched.errors import failures_explained
 
 logger = logging.getLogger("commsched")
 
@@ -159,7 +160,7 @@ class LayoutInUse:
         overlap, the order the buckets become ready ([Note: a plan without urgency])."""
         timeline, layout = self._timeline, self.layout
         ready = bucket_ready_s(timeline.slot_ready_s, layout, self.held_buckets() or frozenset())
-        with failures_explained(self._transport):
+        with failures_explained(self._transport.explain_failure):
             return plan_on_rank0(layout.partitions, ready, timeline, self.config.credit_bytes, self._groups.control,
                                  self.config.timeout_s, overlapping=self.overlap_off_reason is None)
 

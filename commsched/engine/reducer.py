@@ -29,18 +29,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
-from commsched.comm.transport import Transport, failures_explained
+from commsched.comm.transport import Transport
 from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.config import RunConfig
-from commsched.engine.events import EventBus
+from commsched.engine.events import EventBus, phase
 from commsched.engine.finite import FiniteCheck
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
 from commsched.engine.join import ENDED_UNSTEPPED, STEP_WITHOUT_BACKWARD_UNDER_JOIN, JoinedSteps, UnevenInputs
-from commsched.engine.labels import phase
 from commsched.engine.layouts import LayoutInUse
 from commsched.engine.lifecycle import WARMUP_ITERATIONS, Lifecycle, Phase
 from commsched.engine.overlap import ForwardOverlap
@@ -49,7 +48,7 @@ from commsched.engine.shutdown import Shutdown
 from commsched.engine.trace import Tracer
 from commsched.engine.views_ahead import ViewsAhead
 from commsched.engine.warmup import Warmup
-from commsched.errors import CommunicationTimeout, communication_failed
+from commsched.errors import CommunicationTimeout, communication_failed, failures_explained
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Plan
 from commsched.update.base import UpdatePolicy
@@ -192,7 +191,8 @@ class GradientReducer:
             check_gradient_kind(self.names[slot], grad)
             view.copy_(grad)
             param.grad = view
-        self._events.gradient_ready(slot)
+        if self._events.observed:
+            self._events.gradient_ready(slot)
         if self._phase is Phase.BACKWARD:
             self.current.gradient_ready(slot)
 
@@ -244,7 +244,8 @@ class GradientReducer:
             held_buckets=self.layouts.held_buckets(), finite_check=finite_check,
         )
         self.current.views_handed = self._views_ahead.taken()
-        self._events.iteration_started(iteration)
+        if self._events.observed:
+            self._events.iteration_started(iteration)
 
     def _end_backward(self) -> None:
         """Runs once the autograd engine has finished this backward pass."""
@@ -257,8 +258,8 @@ class GradientReducer:
             self._end_deferred = True
             return
         self._end_deferred = False
-        phase, self._phase = self._phase, Phase.IDLE
-        if phase is not Phase.BACKWARD:
+        ended, self._phase = self._phase, Phase.IDLE
+        if ended is not Phase.BACKWARD:
             return
         current = self.current
         current.end_backward()
@@ -266,7 +267,8 @@ class GradientReducer:
         layouts.repeated_slots = frozenset(current.repeated_slots) | (layouts.repeated_slots or frozenset())
         if not current.overlapping:
             current.complete_all()
-        self._events.backward_finished()
+        if self._events.observed:
+            self._events.backward_finished()
         if self.warmup is not None:
             self.warmup.pass_ended(current, self.layout)
 
@@ -295,7 +297,7 @@ class GradientReducer:
                 "least one batch (drop_last=False with a DistributedSampler gives each rank one)"
             )
         try:
-            with failures_explained(self.transport):
+            with failures_explained(self.transport.explain_failure):
                 self._joined_steps.shadowing()
                 self._shadow_collectives()
         except CommunicationTimeout as error:
@@ -312,7 +314,8 @@ class GradientReducer:
             self._begin_pass()
             current = self.current
             current.end_backward(without_gradients=True)
-            self._events.backward_finished()
+            if self._events.observed:
+                self._events.backward_finished()
             current.complete_all()
             if self.warmup is not None:
                 self.warmup.pass_ended(current, self.layout)
@@ -327,7 +330,8 @@ class GradientReducer:
 
     # ----------------------------------------------------------------- forward
     def before_forward(self) -> None:
-        self._events.forward_started()
+        if self._events.observed:
+            self._events.forward_started()
         self._end_deferred_backward()
         if self._phase is not Phase.IDLE:
             raise RuntimeError(BACKWARD_UNFINISHED)
@@ -345,7 +349,7 @@ class GradientReducer:
         """A forward gate: this module's own buckets must be updated first."""
         current = self.current
         if current is not None and current.outstanding:
-            with failures_explained(self.transport):  # sharded state's all-gathers too
+            with failures_explained(self.transport.explain_failure):  # sharded state's all-gathers too
                 current.complete_buckets(buckets)
 
     # ------------------------------------------------------------ user's calls
@@ -397,7 +401,7 @@ class GradientReducer:
             raise synchronize_during_backward_error()
         current = self.current
         if current is not None:
-            with failures_explained(self.transport):  # sharded state's all-gathers too
+            with failures_explained(self.transport.explain_failure):  # sharded state's all-gathers too
                 current.complete_all()
             current.synchronized()  # gradients are final: changing them before step() is legitimate
 
@@ -420,7 +424,7 @@ class GradientReducer:
         ``scaling``: what a ``GradScaler`` handed this step (see [Note: GradScaler]).
         """
         finished = self._step_starts()
-        with failures_explained(self.transport), phase("commsched::step"):
+        with failures_explained(self.transport.explain_failure), phase("commsched::step"):
             self._step(optimizer_step, scaling)
         finished()
 
@@ -434,7 +438,8 @@ class GradientReducer:
         def finished() -> None:
             if warmup is not None and warmup.after_step(warming_up=self.lifecycle is Lifecycle.WARMUP):
                 self.warmup = None
-            self._events.step_finished(started, time.perf_counter())
+            if self._events.observed:
+                self._events.step_finished(started, time.perf_counter())
 
         return finished
 

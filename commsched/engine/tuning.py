@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from commsched.comm.transport import Transport, failures_explained
+from commsched.comm.transport import Transport
 from commsched.engine.groups import ProcessGroups
 from commsched.layout.setting import LayoutSetting
 from commsched.tuning.confirmation import Confirmation
@@ -27,6 +27,7 @@ from commsched.tuning.decision import Decision, Phase, agree_on_decision
 from commsched.tuning.guesses import TuningStart, simulated_guesses, starting_point
 from commsched.tuning.log import TuningLog
 from commsched.tuning.space import SearchSpace
+from commsched.errors import failures_explained
 
 logger = logging.getLogger("commsched")
 
@@ -65,7 +66,7 @@ class TuningSession:
         from this pass on."""
         control = self._groups.control
         decision = self._decide(iteration, in_use) if dist.get_rank(control) == 0 else None
-        with failures_explained(self._transport):
+        with failures_explained(self._transport.explain_failure):
             decision = agree_on_decision(decision, control, self._timeout_s, self._decider)
         self.log.apply(iteration, decision)
         return decision.setting

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commsched.comm.transport import Transport, failures_explained
+from commsched.comm.transport import Transport
 from commsched.engine.backward_pass import BackwardPass
 from commsched.engine.config import RunConfig
 from commsched.engine.events import EventBus
@@ -43,6 +43,7 @@ from commsched.strategy import MIB
 from commsched.watch.first_forward import FirstForward, agree_on_order
 from commsched.watch.parameter_use import EagerForward
 from commsched.watch.reads import ParameterReads
+from commsched.errors import failures_explained
 
 OrderFound = Callable[[list[int], dict[int, torch.nn.Module]], None]
 """Called with the agreed forward order and the parameters read before their module ran."""
@@ -96,7 +97,7 @@ class Warmup:
 
     def _first_forward_ended(self, order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> None:
         self._first_forward = None
-        with failures_explained(self._transport):
+        with failures_explained(self._transport.explain_failure):
             order = agree_on_order(order, self._groups.control, self._config.timeout_s)
         self._order_found(order, read_before_owner)
 
@@ -139,7 +140,7 @@ class Warmup:
         ends that pass, a rank out of batches in its shadow iteration."""
         if self._profile is None or finished.iteration != WARMUP_ITERATIONS - 1:
             return
-        with failures_explained(self._transport):
+        with failures_explained(self._transport.explain_failure):
             self._calibration = self._calibrate(layout)
 
     def _calibrate(self, layout: GradLayout) -> Calibration:
@@ -160,7 +161,7 @@ class Warmup:
         profile, config = self._profile, self._config
         if profile is None:
             return WarmupResult(None, None, None, self.reads)
-        with failures_explained(self._transport):
+        with failures_explained(self._transport.explain_failure):
             calibration = self._calibration or self._calibrate(layout)
             self._calibration = None
             timeline = profile.timeline(calibration.latency_s)

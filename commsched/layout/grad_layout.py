@@ -102,7 +102,7 @@ def gating_modules(
 ) -> list[list[torch.nn.Module]]:
     """Per slot, the modules whose forward gate waits for it: the modules that own it, and
     the one that read it before they ran (``nn.MultiheadAttention`` reads ``out_proj``'s;
-    the root, for ``F.linear(x, self.head.weight)`` in its own forward). See `commsched.engine.gates`."""
+    the root, for ``F.linear(x, self.head.weight)`` in its own forward). See `commsched.engine.hooks.ForwardGates`."""
     slot_of = {id(p): s for s, p in enumerate(params)}
     gates: list[list[torch.nn.Module]] = [[] for _ in params]
     for module in root.modules():

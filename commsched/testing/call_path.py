@@ -66,7 +66,7 @@ ENTRY_NAMES = {
     ("engine/hooks.py", "_before_forward"): "forward start",
     ("engine/hooks.py", "_arm_backward_start"): "forward end",
     ("engine/reducer.py", "_end_backward"): "end of backward",
-    ("engine/gates.py", "gate"): "gate",
+    ("engine/hooks.py", "gate"): "gate",
     ("prepared/optimizer.py", "step"): "step",
     ("prepared/optimizer.py", "zero_grad"): "zero_grad",
 }
