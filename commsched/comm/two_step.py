@@ -2,9 +2,10 @@
 
 [Note: an all-reduce in two steps] gloo's all-reduce is a ring: 2(N-1) steps
 in a row, each paying the link's latency and the host's work. Among 8 or 16
-hosts that fixed cost is most of what a partition of a megabyte or less takes
-(`benchmarks/collectives.py` at 4f3da97: at 16 hosts 65 ms for 0.25 MiB). The same sum
-goes in two steps instead:
+hosts that fixed cost is most of what a partition of a megabyte or less takes:
+at 16 emulated hosts, 65 ms for 0.25 MiB, against 33 ms in two steps
+(docs/records/2026-11-27-reduce-scatter-on-gloo.md). The same sum goes in two
+steps instead:
 
 1. each rank sends piece ``r`` of the partition to rank ``r`` (one
    ``all_to_all_single``, every link at once) and sums what it receives, in
@@ -23,7 +24,7 @@ queue on the same connections as the bulk's, while the second steps go on a
 group of their own. Where many partitions are in flight the ring's bandwidth
 counts more: on 8 emulated hosts at 0.5 Gbit/s, every 1 MiB partition in two
 steps was no faster than the ring, while the first bucket alone in two steps
-made iterations 6-9% faster (docs/records/2026-11-28-two-step-all-reduce.md).
+made iterations 9% faster (docs/records/2026-11-28-two-step-all-reduce.md).
 It goes in two steps where, timed both ways at the end of warm-up
 behind an all-reduce of the largest other bucket, they took at most 0.9 of the
 ring's time (`commsched.planning.calibration.time_both_ways`): rank 0's

@@ -56,10 +56,10 @@ def measure_latency(
 
     The quickest, not the median: they run back to back within a millisecond or
     two, so one slow spell of either host (a descheduled thread) covers most of
-    them, and noise only ever adds time. Their median was above 1 ms in 2 of 60
-    calibrations of a 1 Gbit/s link whose round trip is 0.2 ms, and it is the
-    floor of the fixed cost per collective (`measure_link`), so it made the cost
-    model price every collective up to twenty times too high.
+    them, and noise only ever adds time. The round trip is the floor of the fixed
+    cost per collective (`measure_link`), so a median caught in such a spell made
+    the cost model price every collective 5 to 35 times too high, in 5% of
+    calibrations (docs/records/2026-11-24-link-calibration.md).
     """
     buffer, what = torch.zeros(1, device=device), "the latency measurement before agreeing on a plan"
     return min(_timed_all_reduce(buffer, group, timeout_s, what)[0] for _ in range(repeats))
@@ -104,11 +104,12 @@ def link_from_samples(
 
     ``samples`` holds one row per repeat: per size, (wall seconds, CPU share).
     The fixed cost is the line extrapolated to zero bytes, so an error in one
-    size's time moves it several times over. Medians of 3, the smaller size's
-    all timed before the larger's, once gave 2.4 ms per collective where other
-    clusters of the same cell gave 0.2 to 0.4, and the cost model chose
-    partitions four times larger for it; medians of `CALIBRATION_REPEATS` keep
-    a slow spell of two samples out of the fit.
+    size's time moves it several times over, and one calibration decides the
+    partitioning for the whole run: a fixed cost of 2.4 ms per collective, where
+    other clusters of the same cell gave 0.2 to 0.4, made the cost model choose
+    partitions four times larger (docs/records/2026-11-24-link-calibration.md).
+    Medians of `CALIBRATION_REPEATS`, the sizes taking turns, keep a slow spell
+    of two samples out of the fit.
     """
     medians = [statistics.median(wall for wall, _ in column) for column in zip(*samples)]
     fixed_s, bytes_per_s = fit_link(sizes, medians, latency_s)
@@ -151,11 +152,11 @@ def time_both_ways(group: dist.ProcessGroup, device: torch.device, nbytes: int, 
 
     [Note: timing the first bucket behind the others] The first bucket goes at the end of
     backward, behind the reductions of the other buckets still in flight, and that is where
-    its time shows. Timed alone on an idle link, two steps of 0.7 MiB took 23-29 ms against
-    the ring's 22 (8 emulated hosts, 0.5 Gbit/s), yet in training the first bucket in two steps
-    made iterations 9% faster: the ring's messages queue behind the bulk's on the same
-    connections, while the second steps go on a group of their own. So it is timed behind a
-    bulk all-reduce, as in training.
+    its time shows. Timed alone on an idle link, two steps are no faster than the ring, yet
+    in training the first bucket in two steps made iterations 9% faster
+    (docs/records/2026-11-28-two-step-all-reduce.md): the ring's messages queue behind the
+    bulk's on the same connections, while the second steps go on a group of their own. So it
+    is timed behind a bulk all-reduce, as in training.
     """
     first = torch.zeros(max(1, nbytes // 4), device=device)
     behind = torch.zeros(max(1, behind_nbytes // 4), device=device)

@@ -172,13 +172,11 @@ def planning_bytes_per_s(warmup: WarmupTimeline) -> float:
     pass after the input side's bucket, most urgent first, so such a partition waits behind
     every more urgent one and can miss its own layer in the next forward pass, while the
     link idles before the backward pass ends. Which partitions that is turns on the
-    bandwidth, in steps: traced at 4 emulated hosts on the VGG16 profile (0.5 MiB partitions,
-    0.5 Gbit/s), the classifier's second partition went second below 30 MB/s and last above
-    35, where that link planned at about 33 with the margin; runs took 229-236 ms or 253-267
-    (4 of 8 the slower), against 233-234 in 3 of 3 without it. At 2 hosts on ResNet-50
-    (whole 1 MiB buckets, DDP's best) a bucket ready 62 ms before the end waited for it:
-    219 ms against torch DDP's 215-216, 211-213 against 214-215 without the margin. The
-    bandwidth is already the lower of what training saw and what the idle link did.
+    bandwidth, in steps, and the margin put one cell's planning link on such a step, where
+    its plan flipped between a fast one and a slow one: VGG16 at 4 emulated hosts took
+    229-236 ms or 253-267 with the margin, 233-234 without it
+    (docs/records/2026-11-28-planning-link-margin.md). The bandwidth is already the lower
+    of what training saw and what the idle link did.
     """
     bytes_per_s = warmup.loaded_bytes_per_s
     if warmup.idle_link is not None:

@@ -179,12 +179,12 @@ def arrival_order(partitions: Sequence[Partition], bucket_ready_s: Sequence[floa
     [Note: a plan without urgency] Without forward overlap nothing needs one bucket before another,
     and the priority plan only holds the link back: `robust_plan` leaves what the simulation did not
     start during the backward pass to go most urgent first, which is the input side's bucket, ready
-    only when the backward pass ends; every partition behind it waits for it, ready or not. Traced
-    at 8 emulated hosts on the ResNet-50 profile (0.5 Gbit/s, 1 MiB partitions, credit 4 MiB): a
-    partition ready 111 ms into the backward pass waited 150 ms for its turn while the link carried
-    one collective or none, and an iteration took 361 ms, against 334 ms with the same partitions
-    in the order they became ready and 333 ms for torch DDP with 1 MiB buckets. In this order no
-    partition ever waits behind one whose bucket is not ready yet on the planning timeline.
+    only when the backward pass ends; every partition behind it waits for it, ready or not, while
+    the link carries one collective or none. At 8 emulated hosts on the ResNet-50 profile an
+    iteration took 361 ms with that plan and 332 with the same partitions in the order they
+    became ready (docs/simulator.md, "Why commsched without forward overlap was slower than
+    simulated"). In this order no partition ever waits behind one whose bucket is not ready yet
+    on the planning timeline.
     """
     return [p.pid for p in sorted(partitions, key=_by_arrival(bucket_ready_s))]
 

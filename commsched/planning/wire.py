@@ -7,28 +7,17 @@ neighbour and waits for one, so a step costs a hop's latency and the host's
 work (the fixed cost, spread over the steps) plus a chunk on the wire. Two
 all-reduces in flight take turns on each connection, one step each: a round
 of the two lasts as long as the longer step alone, or the two chunks back to
-back, whichever is more. At 8 emulated hosts on a 0.5 Gbit/s link
-(`benchmarks/two_in_flight.py` at 4f3da97: an all-reduce there is 5.3 ms of fixed cost
-and 29.9 ms per MiB), until the younger of two issued together is done:
+back, whichever is more.
 
-| older, younger         | measured | this model | the gaps model | one at a time |
-|------------------------|----------|------------|----------------|---------------|
-| 1 MiB, 1 MiB           | 61.5 ms  | 59.9 ms    | 64.2 ms        | 70.4 ms       |
-| 1.56 MiB, 1 MiB        | 77.7 ms  | 76.7 ms    | 81.0 ms        | 87.2 ms       |
-| 2.25 MiB, 64 KiB       | 62.4 ms  | 72.6 ms    | 25.8 ms        | 79.8 ms       |
-| 2.25 MiB, 1 MiB        | 98.0 ms  | 97.3 ms    | 101.7 ms       | 107.8 ms      |
-| 5.49 MiB, 1 MiB        | 199.4 ms | 194.3 ms   | 198.7 ms       | 204.9 ms      |
-| 9 MiB, 64 KiB          | 238.8 ms | 274.8 ms   | 97.7 ms        | 281.9 ms      |
-| 9 MiB, 1 MiB           | 307.6 ms | 299.4 ms   | 303.8 ms       | 310.0 ms      |
-
-A small collective right behind a large one advances one step per step of
-the large one: it is done about when the large one is (this model 15% late,
-the measured small one finishing a little before). The model this replaced let
-the younger run in the older's gaps at whatever rate they left, which the
-pairs of 1 MiB also fit, but which let a small collective through a large one
-in a tenth of the time it takes (it priced GPT-2's small layers between large
-ones too fast). Taking them one at a time, as the simulator once did, is up to
-15% too slow for pairs of 1 MiB.
+So a small collective right behind a large one advances one step per step of
+the large one and is done about when the large one is: at 8 emulated hosts,
+64 KiB issued behind 9 MiB was done after 239 ms, which this model puts at 275
+(docs/records/2026-11-28-two-collectives-in-flight.md). The model this replaced
+let the younger run in the older's gaps at whatever rate they left, which
+pairs of like size also fit, but which let a small collective through a large
+one in well under half the time it takes (it priced GPT-2's small layers
+between large ones too fast). Taking them one at a time, as the simulator once
+did, is too slow wherever two overlap (the same record).
 
 The model: a collective of fixed cost ``F`` and wire time ``W`` alone takes
 ``D = F + W`` (its wire share ``u = W / D``). With collectives ``i`` on the

@@ -16,37 +16,37 @@ on the new layout). Of the settings faster than whole buckets in every round
 must not decide for good; on a saturated machine, 16 emulated hosts on 2
 cores, iterations of one setting spread by half their length), the fastest
 by median iteration stays if it is shorter by more than the margin
-(`measured_choice` in `commsched.planning.cost_model`); where others measured
-within that margin of it, the one of fewest collectives stays instead
-(`fewer_collectives_first`, there): at 8 emulated hosts whole 5 MiB buckets
-and 4 MiB partitions measured within 2% of each other, and without the tie
-going one way the same cell kept one in one run and the other in the next.
+(`measured_choice` in `commsched.planning.cost_model`); otherwise whole
+buckets stay: they issue the fewest collectives at the configured size, as
+torch DDP does, and a tie going to them makes the same cell choose the same
+way run after run. Where others measured within that margin of the fastest,
+the one of fewest collectives stays instead (`fewer_collectives_first`,
+there), for the same reason: at 8 emulated hosts on VGG16 whole 5 MiB
+buckets and 4 MiB partitions measure within 2% of each other, and without
+that rule one cell kept the buckets on one cluster and the partitions on the
+next (docs/records/2026-11-27-simulated-best-schedule-at-eight-hosts.md).
+
 Measured beside the choice: its runner-up, the cheapest prediction of
-partitions other than the choice (at 4 emulated hosts on VGG16, 0.5 MiB
-partitions were predicted at 44.5 ms of cost in one run and kept, 16% faster
-than anything else measured, and at 60.1 ms in the next, behind two whole
-bucket sizes then measured in their place: 1.15x the best DDP in one run,
-1.00x in the other), and the cheapest prediction of
-whole buckets of a size of their own (the bucket size torch DDP's users
-would find by sweeping), since the error grows
-with the number of collectives: at 8 hosts on 1 Gbit/s (the emulated
-ResNet-50), 1 MiB buckets (7 collectives) were predicted to leave 3-4 ms of
-waiting and left 35-51, while 5 MiB buckets with a 1 MiB first one (3
-collectives) were predicted at 23 ms and left 23-30, 1.09-1.13 times as fast
-as torch DDP's best. Otherwise whole buckets stay: they issue
-the fewest collectives at the configured size, as torch DDP does, and a tie
-going to them makes the same cell choose the same way run after run.
+partitions other than the choice, so that partitions are measured whichever
+way the cost model ranks them (at 4 emulated hosts on VGG16, a prediction
+that put 0.5 MiB partitions behind two whole bucket sizes kept them from
+being measured: 1.00x the best DDP, against 1.15x in the runs that measured
+them); and the cheapest prediction of whole buckets of a size of their own
+(the bucket size torch DDP's users would find by sweeping), since the error
+grows with the number of collectives: at 8 emulated hosts whole 1 MiB
+buckets, predicted to leave 3-4 ms of waiting, left 35-51
+(docs/records/2026-11-27-whole-buckets-beside-the-choice.md).
 
 The margin is what the run's own iterations say a repeat could change
 (`confirmation_margin`): `STANDARD_ERRORS` standard errors of the difference
 between two settings' medians, from how far each setting's iterations fall from
 its median (the widest of the settings), at least `MIN_CONFIRMATION_MARGIN` and
-at most `MAX_CONFIRMATION_MARGIN`. On the emulated hosts it came to 3.0% in 7
-of 9 cells of a validation run (2-8 hosts) and 1.5-2.1% in two at 2 hosts,
-where the choice led by 4-5%; on a quiet cluster, whose iterations agree within
-a few tenths of a percent, whole 100 MiB buckets 2-3% faster than the
-configured 25 MiB (512-1024 workers on a slow link, in the simulator) are kept,
-as the best torch DDP is tuned.
+at most `MAX_CONFIRMATION_MARGIN`. On the emulated hosts, whose iterations
+spread by a percent or more, it is mostly the largest, 3.0% in 7 of 9 cells
+(docs/records/2026-11-28-two-to-sixteen-hosts.md); on a quiet cluster, whose
+iterations agree within a few tenths of a percent, whole 100 MiB buckets 2-3%
+faster than the configured 25 MiB (512-1024 workers on a slow link, in the
+simulator) are kept, as the best torch DDP is tuned.
 
 The trials run on the auto-tuner's switch points (`commsched.engine.tuning`):
 rank 0 measures and decides, every rank applies the same decision.
