@@ -281,6 +281,10 @@ def case_first_bucket_whole_when_small(rank, world_size):
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
+LATE_AT_MOST_S = 2.0
+"""How long a late input layer waits for the other ranks to start updating other buckets."""
+
+
 class _LateBackward(torch.autograd.Function):
     """The identity, whose backward first waits for ``until()``."""
 
@@ -314,8 +318,10 @@ def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
     comes late) updates the buckets after it meanwhile, and starts their all-gathers ([Note:
     updates ahead of a local bucket]); every rank's parameters stay the single process's.
 
-    Rank 1's input layer sends its gradient only once every other rank has started an update,
-    so the whole bucket is still being reduced where they start, however busy the machine."""
+    Rank 1's input layer sends its gradient once every other rank has started an update (so the
+    whole bucket is still being reduced where they start, however busy the machine), or after
+    `LATE_AT_MOST_S`: a rank whose next bucket's reduction has not completed yet waits for the
+    whole bucket instead, which the order assertion then reports."""
     torch.manual_seed(0)
     model = _InputLayerLate()
     reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adamw"])
@@ -327,9 +333,9 @@ def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
     def others_updating() -> None:
         others = [began.format(other) for other in range(world_size) if other != 1]
         try:
-            store.wait(others, datetime.timedelta(seconds=30))
-        except RuntimeError as error:  # a DistStoreError: they wait for this bucket instead
-            raise AssertionError("the other ranks started no update while this rank's input layer was late") from error
+            store.wait(others, datetime.timedelta(seconds=LATE_AT_MOST_S))
+        except RuntimeError:  # a DistStoreError: some rank started no update meanwhile (asserted below)
+            pass
 
     class Announced(list):
         """The buckets updated; the first tells rank 1 that this rank is updating."""
