@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -74,13 +73,14 @@ def save(pieces: Sequence[Piece], scalars: Mapping[str, torch.Tensor], param_gro
         if piece.local is not None:
             state[piece.name] = _sharded(piece, group)
     with _sharded_tensors_allowed():
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=group)
+        _dcp().save(state, checkpoint_id=checkpoint_id, process_group=group)
 
 
 def load(pieces: Sequence[Piece], scalars: Mapping[str, torch.Tensor], param_groups: list[dict[str, Any]],
          checkpoint_id: str | os.PathLike, group: dist.ProcessGroup) -> tuple[dict[str, torch.Tensor], list]:
     """Fill this rank's pieces and scalars from what `save` wrote (those the checkpoint holds,
     by name); returns them and the saved param groups. Collective."""
+    dcp = _dcp()
     saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     wanted: dict[str, Any] = {PARAM_GROUPS_KEY: param_groups}
     for piece in pieces:
@@ -172,3 +172,11 @@ def param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         start += len(group["params"])
         groups.append(packed)
     return groups
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported at the first checkpoint: importing it (and the
+    DTensor it brings) takes about 0.6 s, which every process that imports commsched would pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
