@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import functools
 import itertools
 import os
+import time
 from unittest import mock
 
 import pytest
@@ -281,72 +281,45 @@ def case_first_bucket_whole_when_small(rank, world_size):
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
-LATE_AT_MOST_S = 2.0
-"""How long a late input layer waits for the other ranks to start updating other buckets."""
-
-
-class _LateBackward(torch.autograd.Function):
-    """The identity, whose backward first waits for ``until()``."""
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps ``seconds`` first."""
 
     @staticmethod
-    def forward(ctx, x, until):
-        ctx.until = until
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.until()
+        time.sleep(ctx.seconds)
         return grad, None
 
 
 class _InputLayerLate(torch.nn.Module):
-    """A small input layer whose gradients can come late (after ``until()``), after larger layers'."""
+    """A small input layer whose gradients can come late (``late_s``), before larger layers."""
 
     def __init__(self):
         super().__init__()
         self.first = torch.nn.Linear(8, 8)
         self.rest = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        self.until = None
+        self.late_s = 0.0
 
     def forward(self, x):
         hidden = self.first(x)
-        return self.rest(_LateBackward.apply(hidden, self.until) if self.until is not None else hidden)
+        return self.rest(_SlowBackward.apply(hidden, self.late_s) if self.late_s else hidden)
 
 
 def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
     """A rank whose first gate waits for the whole first bucket's reduction (one rank's input layer
     comes late) updates the buckets after it meanwhile, and starts their all-gathers ([Note:
-    updates ahead of a local bucket]); every rank's parameters stay the single process's.
-
-    Rank 1's input layer sends its gradient once every other rank has started an update (so the
-    whole bucket is still being reduced where they start, however busy the machine), or after
-    `LATE_AT_MOST_S`: a rank whose next bucket's reduction has not completed yet waits for the
-    whole bucket instead, which the order assertion then reports."""
+    updates ahead of a local bucket]); every rank's parameters stay the single process's."""
     torch.manual_seed(0)
     model = _InputLayerLate()
     reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adamw"])
     strategy = sharded(priority=False, bucket_cap_mb=0.001, first_bucket_mb=0.0005, adaptive=False, timeout_s=60)
     model, optimizer = commsched.prepare(model, OPTIMIZERS["adamw"](model.parameters()), strategy)
-    store = dist.distributed_c10d._get_default_store()
-    began = f"sharded/input_layer_late/{world_size}/updating/{{}}"
-
-    def others_updating() -> None:
-        others = [began.format(other) for other in range(world_size) if other != 1]
-        try:
-            store.wait(others, datetime.timedelta(seconds=LATE_AT_MOST_S))
-        except RuntimeError:  # a DistStoreError: some rank started no update meanwhile (asserted below)
-            pass
-
-    class Announced(list):
-        """The buckets updated; the first tells rank 1 that this rank is updating."""
-
-        def append(self, bucket: int) -> None:
-            if not self:
-                store.set(began.format(rank), "1")
-            super().append(bucket)
-
     late = WARMUP_ITERATIONS + 1
-    updated: list[int] = Announced() if rank != 1 else []
+    updated: list[int] = []
     generator = torch.Generator().manual_seed(7)
     for iteration in range(late + 3):
         x, y = torch.randn(2 * world_size, 8, generator=generator), torch.randn(2 * world_size, 4, generator=generator)
@@ -354,7 +327,7 @@ def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
         def loss_of(r, network=model):
             return F.mse_loss(network(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2])
 
-        model.until = others_updating if iteration == late and rank == 1 else None
+        model.late_s = 0.5 if iteration == late and rank == 1 else 0.0
         loss = loss_of(rank)
         if iteration == late:  # from this step's updates on, which the next forward pass runs
             record_updates(model, updated)
