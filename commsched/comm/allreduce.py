@@ -43,7 +43,7 @@ class _WorkHandle:
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
-        if self._bucket.wire_dtype != self._bucket.dtype:  # summed in another dtype: back into the gradients
+        if self._bucket.cast_on_wire:
             copy_back(self._bucket, self._partition.start, self._partition.end)
 
     def is_completed(self) -> bool:
@@ -101,7 +101,7 @@ class _TwoStepHandle:
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
-        if self._bucket.wire_dtype != self._bucket.dtype:  # summed in another dtype: back into the gradients
+        if self._bucket.cast_on_wire:
             copy_back(self._bucket, self._partition.start, self._partition.end)
 
     def is_completed(self) -> bool:
@@ -159,7 +159,7 @@ class AllReduceTransport:
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size == 1:
             return
-        if bucket.wire_dtype == bucket.dtype:  # the wire is the gradients: averaged in place
+        if not bucket.cast_on_wire:  # the wire is the gradients: averaged in place
             bucket.flat[:bucket.grad_numel].div_(self.world_size)
         else:
             average_onto_wire(bucket, self.world_size)

@@ -35,7 +35,7 @@ def average_onto_wire(bucket: Bucket, world_size: int) -> None:
     ``world_size`` in the wider dtype, cast once."""
     count = bucket.grad_numel
     grads, wire = bucket.flat[:count], bucket.wire[:count]
-    if bucket.wire_dtype == bucket.dtype:
+    if not bucket.cast_on_wire:
         grads.div_(world_size)
     elif wire.element_size() > grads.element_size():
         wire.copy_(grads).div_(world_size)
@@ -51,5 +51,5 @@ def copy_back(bucket: Bucket, start: int, end: int) -> None:
     in the wire and is read there.
     """
     end = min(end, bucket.grad_numel)
-    if bucket.wire_dtype != bucket.dtype and start < end:
+    if bucket.cast_on_wire and start < end:
         bucket.flat.data[start:end].copy_(bucket.wire[start:end])

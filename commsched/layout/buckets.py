@@ -118,6 +118,9 @@ class Bucket:
         self.wire_dtype: torch.dtype = wire.dtype
         """The dtype the bucket is summed in across ranks."""
         self.wire_nbytes = wire.numel() * wire.element_size()
+        self.cast_on_wire = self.wire_dtype != self.dtype
+        """Summed in another dtype than the gradients': cast onto ``wire`` and back
+        (`commsched.comm.reduce_dtype`); else ``wire`` is the gradients' own memory."""
 
     def reduce_in(self, dtype: torch.dtype) -> None:
         """Sum this bucket's gradients in ``dtype`` (`commsched.Strategy.reduce_dtype`).
