@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from commsched.engine.reducer import GradientReducer
@@ -20,9 +22,18 @@ def reducer_of(model: torch.nn.Module) -> GradientReducer:
     return model._commsched_reducer
 
 
-def record_updates(model: torch.nn.Module, updated: list[int]) -> None:
+def record_updates(model: torch.nn.Module, updated: list[int],
+                   after: Callable[[int], None] | None = None) -> None:
     """From now on, append to ``updated`` each bucket the model's update policy updates, as the
-    update starts, in the order they start."""
+    update starts, in the order they start; ``after(bucket)`` runs once each update returns."""
     policy = reducer_of(model).policy
     update = policy.update
-    policy.update = lambda bucket, *args: (updated.append(bucket), update(bucket, *args))[1]
+
+    def recorded(bucket: int, *args):
+        updated.append(bucket)
+        result = update(bucket, *args)
+        if after is not None:
+            after(bucket)
+        return result
+
+    policy.update = recorded

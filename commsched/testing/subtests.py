@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from torch.overrides import _get_current_function_mode_stack
 
+from commsched.errors import CommunicationTimeout
 from commsched.watch.parameter_use import ParameterUseMode
 
 
@@ -18,19 +19,39 @@ def run_subtests(cases: Mapping[str, Callable[[], None]]) -> None:
     (pytest's ``fail()``, ``pytest.raises`` that saw nothing) is not an
     ``Exception``, and is collected too: letting it through would hide the
     failures of the cases before it.
+
+    A case that ends in a `CommunicationTimeout` ends the run: the ranks are out of
+    step (or gloo has closed the pair), so every later case would wait out its own
+    timeout and fail the same way, minutes later and hiding which case broke it.
     """
     failed: list[str] = []
-    for name, case in cases.items():
+    not_run = ""
+    names = list(cases)
+    for index, name in enumerate(names):
         try:
-            case()
+            cases[name]()
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException:  # noqa: BLE001 - collect and report them all
+        except BaseException as error:  # noqa: BLE001 - collect and report them all
             failed.append(f"[{name}]\n{traceback.format_exc()}")
+            if _timed_out(error) and index + 1 < len(names):
+                rest = names[index + 1:]
+                not_run = f"\n{len(rest)} cases not run, the ranks' collectives having timed out: {', '.join(rest)}"
+                break
         finally:
             end_leftover_watches()
     if failed:
-        raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed))
+        raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed) + not_run)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """``error`` is, or was raised from, a `CommunicationTimeout`."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, CommunicationTimeout):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def end_leftover_watches() -> None:

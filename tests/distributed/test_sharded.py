@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import functools
 import itertools
 import os
-import time
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -54,6 +55,7 @@ from commsched.testing.parity import (
 )
 from commsched.testing.loops import LOOPS, case as loop_case
 from commsched.testing.internals import record_updates
+from commsched.testing.launch import rank_store
 from commsched.testing.join import batch_counts, batches_of, loss_of, out_during_warmup, train_until_one_rank_is_out
 from commsched.testing.memory import resident_mib
 from commsched.testing.mixed_precision import case as mixed_precision_case
@@ -281,45 +283,67 @@ def case_first_bucket_whole_when_small(rank, world_size):
     assert whole_buckets(16, sharded(adaptive=False)) == ()  # one bucket: sharded, whatever its size
 
 
-class _SlowBackward(torch.autograd.Function):
-    """The identity, whose backward sleeps ``seconds`` first."""
+class _HeldBackward(torch.autograd.Function):
+    """The identity, whose backward first calls ``hold()``."""
 
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, hold):
+        ctx.hold = hold
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
+        ctx.hold()
         return grad, None
 
 
 class _InputLayerLate(torch.nn.Module):
-    """A small input layer whose gradients can come late (``late_s``), before larger layers."""
+    """A small input layer whose gradients can come late (``hold``), before larger layers."""
 
     def __init__(self):
         super().__init__()
         self.first = torch.nn.Linear(8, 8)
         self.rest = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-        self.late_s = 0.0
+        self.hold: Callable[[], None] | None = None
 
     def forward(self, x):
         hidden = self.first(x)
-        return self.rest(_SlowBackward.apply(hidden, self.late_s) if self.late_s else hidden)
+        return self.rest(_HeldBackward.apply(hidden, self.hold) if self.hold else hidden)
+
+
+UPDATED_AHEAD_WITHIN_S = 30.0
 
 
 def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
     """A rank whose first gate waits for the whole first bucket's reduction (one rank's input layer
     comes late) updates the buckets after it meanwhile, and starts their all-gathers ([Note:
-    updates ahead of a local bucket]); every rank's parameters stay the single process's."""
+    updates ahead of a local bucket]); every rank's parameters stay the single process's.
+
+    Rank 1's input layer comes late by as long as it takes the other ranks to update every other
+    bucket (they say so through the job's store), or `UPDATED_AHEAD_WITHIN_S` where they never do:
+    no timing decides the order."""
     torch.manual_seed(0)
     model = _InputLayerLate()
     reference, reference_optimizer = reference_copy(model, OPTIMIZERS["adamw"])
     strategy = sharded(priority=False, bucket_cap_mb=0.001, first_bucket_mb=0.0005, adaptive=False, timeout_s=60)
     model, optimizer = commsched.prepare(model, OPTIMIZERS["adamw"](model.parameters()), strategy)
+    whole = commsched.status(model).sharding.whole_buckets
+    others = len(commsched.status(model).buckets) - len(whole)
+    store, key = rank_store(), "updated-ahead-of-the-whole-bucket/{}".format
     late = WARMUP_ITERATIONS + 1
     updated: list[int] = []
+
+    def say_when_the_others_are_updated(bucket: int) -> None:
+        if len([b for b in updated if b not in whole]) == others and not set(whole) & set(updated):
+            store.set(key(rank), "1")
+
+    def wait_for_the_other_ranks() -> None:
+        try:
+            store.wait([key(r) for r in range(world_size) if r != 1],
+                       datetime.timedelta(seconds=UPDATED_AHEAD_WITHIN_S))
+        except (RuntimeError, dist.DistError):
+            pass  # they never updated ahead: their assertion below says so
+
     generator = torch.Generator().manual_seed(7)
     for iteration in range(late + 3):
         x, y = torch.randn(2 * world_size, 8, generator=generator), torch.randn(2 * world_size, 4, generator=generator)
@@ -327,20 +351,19 @@ def case_next_buckets_updated_while_the_whole_one_is_reduced(rank, world_size):
         def loss_of(r, network=model):
             return F.mse_loss(network(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2])
 
-        model.late_s = 0.5 if iteration == late and rank == 1 else 0.0
+        model.hold = wait_for_the_other_ranks if iteration == late and rank == 1 else None
         loss = loss_of(rank)
         if iteration == late:  # from this step's updates on, which the next forward pass runs
-            record_updates(model, updated)
+            record_updates(model, updated, after=say_when_the_others_are_updated if rank != 1 else None)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         one_process_step(reference_optimizer, functools.partial(loss_of, network=reference), world_size)
-    whole = commsched.status(model).sharding.whole_buckets
+    assert_same_parameters(model, reference)  # on every rank before any assertion of one: it all-gathers
+    commsched.release(model)
     assert len(whole) == 1 and len(updated) >= 3, (whole, updated)
     if rank != 1:
         assert updated.index(whole[0]) > 0, f"the whole bucket was updated first: {updated}"
-    assert_same_parameters(model, reference)
-    commsched.release(model)
 
 
 def case_with_first_bucket_sharded(case) -> None:
