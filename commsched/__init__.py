@@ -43,7 +43,7 @@ from commsched.prepared.module import CommschedModule
 from commsched.prepared.optimizer import CommschedOptimizer
 from commsched.ps.roles import is_server_rank
 from commsched.status import Status
-from commsched.strategy import AllReduce, ParameterServer, Strategy
+from commsched.strategy import AllReduce, ParameterServer, PowerSGD, Strategy
 
 __all__ = [
     "AllReduce",
@@ -54,6 +54,7 @@ __all__ = [
     "Lifecycle",
     "NonFiniteGradients",
     "ParameterServer",
+    "PowerSGD",
     "ServingFinished",
     "Status",
     "Strategy",

@@ -28,8 +28,9 @@ from commsched.comm.agreement import (
     verify_setup_across_ranks,
 )
 from commsched.comm.allreduce import AllReduceTransport
+from commsched.comm.powersgd import PowerSGDCompressor
 from commsched.comm.side_groups import control_group_for, exchange_group_for, parameter_group_for, side_group_for
-from commsched.comm.two_step import two_steps_possible
+from commsched.comm.two_step import SecondSteps, two_steps_possible
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
@@ -95,6 +96,12 @@ def _prepare(
 ) -> tuple[ModelT, OptimizerT | None]:
     strategy = _checked_strategy(strategy)
     _check_model(model)
+    if strategy.compression is not None and _gradient_device(model).type != "cpu":
+        raise ValueError(
+            f"Strategy(compression={strategy.compression!r}) compresses gradients in host memory only for now, and "
+            f"this model's are on {_gradient_device(model)}: train it without compression (compression=None, or "
+            "reduce_dtype=torch.bfloat16 for half the bytes), or with its gradients on the CPU"
+        )
     if strategy.shards_optimizer:
         refusal = sharding_refusal(None if adopt_optimizer else optimizer)
         if refusal is not None:
@@ -126,11 +133,17 @@ def _prepare(
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                                  overlap_forward=strategy.overlap_forward)
         all_to_all_mb = strategy.backend.all_to_all_mb
-        if all_to_all_mb and two_steps_possible(group, _gradient_device(model)):
+        two_steps = bool(all_to_all_mb) and two_steps_possible(group, _gradient_device(model))
+        compression = None
+        if two_steps or (strategy.compression is not None and dist.get_world_size(group) > 1):
             groups.exchange = exchange_group_for(group)
+        if strategy.compression is not None and groups.exchange is not None:
+            compression = PowerSGDCompressor(strategy.compression, dist.get_world_size(group),
+                                             SecondSteps.of_group(groups.exchange), groups.exchange)
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype,
-                                       reduce_scatter=strategy.reduce_scatters, exchange_group=groups.exchange,
-                                       all_to_all_mb=all_to_all_mb)
+                                       reduce_scatter=strategy.reduce_scatters,
+                                       exchange_group=groups.exchange if two_steps else None,
+                                       all_to_all_mb=all_to_all_mb, compression=compression)
         try:
             reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
         except BaseException:

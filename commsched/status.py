@@ -45,6 +45,27 @@ class BucketStatus:
 
 
 @dataclass(frozen=True)
+class CompressionStatus:
+    """With ``Strategy(compression=PowerSGD(...))``: what went compressed, and the bytes it saved."""
+
+    settings: str
+    """The `commsched.PowerSGD` in use, as it would be written."""
+    active: bool
+    """Whether buckets go compressed now (from ``start_powerSGD_iter`` on)."""
+    compressed_parameters: tuple[str, ...]
+    """The parameters whose gradients go as ``P`` and ``Q`` (the others go whole, with the ``P``)."""
+    bytes_sent: int
+    """Bytes this rank put on the wire for compressed buckets so far."""
+    bytes_uncompressed: int
+    """What the same buckets would have put on the wire uncompressed."""
+
+    @property
+    def ratio(self) -> float:
+        """How many times fewer bytes went on the wire (nan before anything was compressed)."""
+        return self.bytes_uncompressed / self.bytes_sent if self.bytes_sent else float("nan")
+
+
+@dataclass(frozen=True)
 class TrialStatus:
     setting: LayoutSetting
     median_ms: float
@@ -126,6 +147,8 @@ class Status:
     """With ``AllReduce(shard_optimizer=True, reduce_scatter=True)``: why gradients stay all-reduced
     whole (warm-up saw the loop need them whole); None where they are reduce-scattered, or will be
     after warm-up, or where the strategy does not ask for it."""
+    compression: CompressionStatus | None = None
+    """With ``Strategy(compression=...)``: what goes compressed and the bytes saved (None: off)."""
     two_step_max_bytes: int | None = None
     """Partitions of at most this many bytes are all-reduced in two all-to-alls (0: none, after
     the timing at the end of warm-up found the ring faster); None where two steps never apply."""
@@ -232,8 +255,19 @@ def reducer_status(reducer: GradientReducer) -> Status:
         first_bucket_mb=layout_in_use.first_bucket_mb,
         sharding=None if reducer.policy.sharded is None else reducer.policy.sharded.status(),
         two_step_max_bytes=transport.two_step_max_bytes,
+        compression=_compression(reducer),
         process_groups=None if groups.replicas is None else replace(groups),
     )
+
+
+def _compression(reducer: GradientReducer) -> CompressionStatus | None:
+    compressor, layout = reducer.transport.compression, reducer.layout
+    if compressor is None:
+        return None
+    slots = compressor.compressed_slots()
+    names = () if layout is None else tuple(layout.names[s] for s in sorted(slots))
+    return CompressionStatus(repr(compressor.settings), compressor.active, names, compressor.bytes_sent,
+                             compressor.bytes_uncompressed)
 
 
 def _dtype_name(dtype: object) -> str:

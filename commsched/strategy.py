@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, fields
 
@@ -165,6 +166,71 @@ class ParameterServer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PowerSGD:
+    """Low-rank gradient compression with error feedback (Vogels et al.), for links that set the pace.
+
+    The settings, their names and defaults are torch DDP's ``PowerSGDState``'s, so that a
+    ``powerSGD_hook`` configuration carries over: ``Strategy(compression=PowerSGD(
+    matrix_approximation_rank=2, start_powerSGD_iter=10))``. Each bucket's gradients of two or
+    more dimensions that are worth it go as two thin matrices ``P`` and ``Q``, each all-reduced,
+    and every other element of the bucket uncompressed with the ``P``; the unit on the wire is
+    the bucket, in the priority order, under the credit window. See [Note: PowerSGD under the
+    schedule] in `commsched.comm.powersgd` and docs/guide.md, "Compression"."""
+
+    matrix_approximation_rank: int = 1
+    """The rank of the approximation: each ``n x m`` gradient goes as ``(n + m) * rank`` numbers.
+    Higher is closer to the gradient and costs more bytes; 1 to 4 is the usual range. From 1."""
+
+    start_powerSGD_iter: int = 1_000
+    """Synchronised iterations all-reduced uncompressed before compression starts (as the hook,
+    with the same default): early training is the most sensitive to the approximation. From 0."""
+
+    min_compression_rate: float = 2.0
+    """A gradient goes compressed only if that makes it at least this many times smaller; 1-D
+    gradients (biases, norms) never are. Above 0."""
+
+    use_error_feedback: bool = True
+    """Add what the approximation left out to the next iteration's gradient (each rank its own),
+    so that over iterations nothing is lost."""
+
+    warm_start: bool = True
+    """Start each iteration's power step from the last iteration's ``Q`` rather than a random one."""
+
+    orthogonalization_epsilon: float = 0.0
+    """Added to each column's norm when it is normalised, as the hook's; 0: none (a column of
+    zeros then stays zeros, where the hook gives NaN). From 0."""
+
+    random_seed: int = 0
+    """Seed of the random first ``Q``, drawn bucket by bucket as the hook draws them. 0 to 2**32 - 1."""
+
+    batch_tensors_with_same_shape: bool = False
+    """The hook's option to batch same-shaped gradients: here it only orders the random draws as
+    the hook's do (commsched multiplies each gradient in place, without copies)."""
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("matrix_approximation_rank", 1, 2**31 - 1), ("start_powerSGD_iter", 0, 2**62),
+                                ("random_seed", 0, 2**32 - 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"PowerSGD.{name} must be an integer from {low} to {high}, got {value!r}")
+        for name, above_zero in (("min_compression_rate", True), ("orthogonalization_epsilon", False)):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+            if not number or value < 0 or (above_zero and value == 0):
+                bound = "above 0" if above_zero else "of at least 0"
+                raise ValueError(f"PowerSGD.{name} must be a finite number {bound}, got {value!r}")
+        for name in ("use_error_feedback", "warm_start", "batch_tensors_with_same_shape"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"PowerSGD.{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+    def __repr__(self) -> str:
+        """Only what differs from the default, as it would be written."""
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"PowerSGD({', '.join(changed)})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Strategy:
     """How commsched buckets and communicates gradients.
 
@@ -269,6 +335,12 @@ class Strategy:
     that bucket's reduction. Under a ``GradScaler`` its own check rules. All-reduce backend only.
     See [Note: non-finite gradients] in commsched/engine/finite.py."""
 
+    compression: PowerSGD | None = None
+    """Compress gradients on the wire: ``PowerSGD(...)`` (torch DDP's ``powerSGD_hook``, under the
+    schedule). None: every gradient goes whole, in its dtype or ``reduce_dtype``. All-reduce
+    backend, optimizer state unsharded, without ``reduce_dtype`` and ``check_finite``; see
+    `PowerSGD`."""
+
     trace_dir: str | None = None
     """Write a timeline per rank (``rank<N>.json``, Chrome trace format) into this
     directory: forward and backward per module, per partition its queue and wire
@@ -353,8 +425,34 @@ class Strategy:
                 "servers sum each gradient in its parameter's dtype: leave reduce_dtype at None with "
                 "ParameterServer(...), or use backend=AllReduce()"
             )
+        if self.compression is not None:
+            self._check_compression()
         if self.autotune:
             self._check_autotune()
+
+    def _check_compression(self) -> None:
+        if not isinstance(self.compression, PowerSGD):
+            raise ValueError(f"Strategy.compression must be None or commsched.PowerSGD(...), got "
+                             f"{self.compression!r} ({type(self.compression).__name__})")
+        refusals = (
+            (self.parameter_server, f"backend={self.backend!r}",
+             "the parameter servers sum and update what workers push, uncompressed; use backend=AllReduce() to "
+             "compress, or compression=None with ParameterServer(...)"),
+            (self.shards_optimizer, f"backend={self.backend!r}",
+             "sharded optimizer state updates each rank's chunk of the exact average, which a low-rank "
+             "approximation does not give; use AllReduce(shard_optimizer=False) to compress, or compression=None "
+             "to shard"),
+            (self.reduce_dtype is not None, f"reduce_dtype={self.reduce_dtype}",
+             "reduce_dtype changes the dtype on the wire, which compression already sets; leave reduce_dtype at "
+             "None to compress, or compression=None to send gradients in reduce_dtype"),
+            (self.check_finite is not None, f"check_finite={self.check_finite!r}",
+             "check_finite skips a step where a gradient is not finite, but the compression's error feedback "
+             "would keep it for the next ones; leave check_finite at None to compress (a GradScaler is refused "
+             "likewise), or compression=None"),
+        )
+        for refused, setting, why in refusals:
+            if refused:
+                raise ValueError(f"Strategy(compression={self.compression!r}) does not go with {setting}: {why}")
 
     def _check_autotune(self) -> None:
         if self.parameter_server:

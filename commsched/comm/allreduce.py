@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from commsched.comm import reduce_scatter, two_step
 from commsched.comm.heartbeat import Heartbeat
+from commsched.comm.powersgd import PowerSGDCompressor, PowerSGDReduction
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.reduce_scatter import BucketScattering
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
@@ -85,6 +86,28 @@ def _all_reduce_what(bucket: Bucket, partition: Partition) -> str:
             f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
 
 
+class _CompressedHandle:
+    """A bucket's PowerSGD all-reduce (`commsched.comm.powersgd`); a timeout names the lost rank."""
+
+    __slots__ = ("_reduction", "_transport")
+
+    def __init__(self, reduction: PowerSGDReduction, transport: AllReduceTransport):
+        self._reduction, self._transport = reduction, transport
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._reduction.wait(timeout_s)
+        except CommunicationTimeout as error:
+            self._transport.explain_failure(error)
+            raise
+
+    def is_completed(self) -> bool:
+        return self._reduction.is_completed()
+
+    def on_complete(self, callback: Callable[[], None]) -> None:
+        self._reduction.on_complete(callback)
+
+
 class _TwoStepHandle:
     """A partition all-reduced in two steps; copied back to the gradients once waited for."""
 
@@ -122,11 +145,12 @@ class AllReduceTransport:
 
     def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
                  reduce_scatter: bool = False, exchange_group: dist.ProcessGroup | None = None,
-                 all_to_all_mb: float | str | None = None):
+                 all_to_all_mb: float | str | None = None, compression: PowerSGDCompressor | None = None):
         """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
         `commsched.AllReduce.reduce_scatter` (from ``scatter.start()`` on); ``exchange_group``: where
         the second steps of two-step all-reduces go, for `commsched.AllReduce.all_to_all_mb`
-        (None: never in two steps; see ``two_steps``)."""
+        (None: never in two steps; see ``two_steps``); ``compression``: `commsched.Strategy.compression`'s
+        state, whose second steps go on its own exchange group."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
@@ -141,6 +165,13 @@ class AllReduceTransport:
         self.two_steps = self._two_steps if self._two_steps is not None and self._two_steps.first_bucket_only else None
         self._first_bucket = -1
         self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
+        self.compression = None if self.is_local else compression
+        """Set with `commsched.Strategy.compression` among two or more ranks."""
+        if self.compression is not None:
+            self.join_refusal = (
+                f"Join (uneven inputs) is not supported with Strategy(compression={compression.settings!r}) yet: "
+                "give every rank the same number of batches (DistributedSampler(drop_last=True)), or train "
+                "without compression")
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         buckets = bucket_set.buckets
@@ -149,12 +180,26 @@ class AllReduceTransport:
                 bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
         self._first_bucket = first_needed(bucket_set.priorities)
         scattered = frozenset() if self.scatter is None else self.scatter.attach(bucket_set.priorities)
+        if self.compression is not None:
+            return self._whole_buckets(bucket_set)
         if scattered:
             return reduce_scatter.cut_partitions(bucket_set, partition_bytes, scattered, self.world_size)
         return make_partitions(
             [b.wire.numel() for b in buckets], [b.wire.element_size() for b in buckets],
             bucket_set.priorities, None if self.is_local else partition_bytes,  # one replica: nothing on the wire
         )
+
+    def _whole_buckets(self, bucket_set: BucketSet) -> list[Partition]:
+        """Under compression, each bucket one partition (a matrix is never cut), of the bytes it takes
+        compressed: the credit window and the plans count what goes on the wire once compressing."""
+        plans = self.compression.attach(bucket_set)
+        partitions = []
+        for index, (bucket, priority) in enumerate(zip(bucket_set.buckets, bucket_set.priorities, strict=True)):
+            plan = plans[index]
+            numel = plan.wire_numel if plan.matrices else plan.numel
+            partitions.append(Partition(index, index, 0, bucket.wire.numel(), numel * bucket.wire.element_size(),
+                                        priority))
+        return partitions
 
     def bucket_ready(self, bucket: Bucket) -> None:
         if self.world_size == 1:
@@ -167,6 +212,8 @@ class AllReduceTransport:
     def begin_iteration(self, iteration: int, new_plan: Sequence[int] | None) -> None:
         if self._heartbeat is not None:
             self._heartbeat.at_iteration(iteration)
+        if self.compression is not None:
+            self.compression.begin_iteration()
 
     def launch(self, partition: Partition, bucket: Bucket, has_grad: Sequence[bool]) -> Handle:
         if self.is_local:
@@ -175,6 +222,9 @@ class AllReduceTransport:
             scatter = reduce_scatter.Scatter(bucket, partition, self.rank, self.world_size, self.process_group,
                                              by_all_to_all=self._backend_name == "gloo")
             return _ScatterHandle(scatter, bucket, partition, self)
+        if self.compression is not None and self.compression.compresses(bucket.index):
+            return _CompressedHandle(self.compression.reduce(bucket, self.process_group,
+                                                             _all_reduce_what(bucket, partition)), self)
         wire = bucket.wire[partition.start:partition.end]
         rule = self._two_steps
         if rule is not None and rule.applies(partition.nbytes, bucket.index, self._first_bucket):
@@ -198,7 +248,9 @@ class AllReduceTransport:
         reduce_dtype = f", reduce_dtype={self.reduce_dtype}" if summed else ""
         scattered = ", reduce-scatter of every bucket but the first" if self.scatter and self.scatter.active else ""
         two_steps = f"; {self._two_steps.why}" if self._two_steps is not None and self._two_steps.why else ""
-        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{two_steps})",
+        compressed = "" if self.compression is None else f", {self.compression.describe()}"
+        return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{compressed}"
+                               f"{two_steps})",
                                two_step_max_bytes=None if self._two_steps is None else self._two_steps.max_bytes)
 
     def finish(self) -> None:
@@ -208,3 +260,5 @@ class AllReduceTransport:
     def forget_process_groups(self) -> None:
         self.process_group = None  # type: ignore[assignment]
         self._two_steps = self.two_steps = None
+        if self.compression is not None:
+            self.compression.forget_process_groups()

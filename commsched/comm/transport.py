@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from commsched.comm.two_step import SecondSteps
 from commsched.errors import CommunicationTimeout
 from commsched.layout.buckets import Bucket, BucketSet
 from commsched.layout.partitions import Partition
+
+if TYPE_CHECKING:
+    from commsched.comm.powersgd import PowerSGDCompressor
 
 
 class Handle(Protocol):
@@ -116,6 +119,11 @@ class Transport(Protocol):
     two_steps: TwoStepTiming | None
     """Where the first bucket may be all-reduced in two all-to-alls if they time faster at the
     end of warm-up (see [Note: an all-reduce in two steps] in `commsched.comm.two_step`)."""
+
+    compression: PowerSGDCompressor | None
+    """Where buckets go compressed (`commsched.Strategy.compression` among replicas): the
+    compressor's state; None where they never are (see [Note: PowerSGD under the schedule] in
+    `commsched.comm.powersgd`)."""
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         """The buckets exist: cut them into partitions (the units on the wire) of about

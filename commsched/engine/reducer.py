@@ -423,6 +423,11 @@ class GradientReducer:
 
         ``scaling``: what a ``GradScaler`` handed this step (see [Note: GradScaler]).
         """
+        if scaling is not None and self.transport.compression is not None:
+            raise ValueError(
+                "a torch.amp.GradScaler steps this optimizer, but with Strategy(compression=...) a step it skips "
+                "for inf or NaN gradients would leave them in the compression's error feedback, and every later "
+                "step would skip too. Train with bf16 autocast, which needs no GradScaler, or without compression.")
         finished = self._step_starts()
         with failures_explained(self.transport.explain_failure), phase("commsched::step"):
             self._step(optimizer_step, scaling)

@@ -19,6 +19,10 @@ from commsched.update.base import ShardedState
 from commsched.update.grad_scaling import GradScaling, forget_given, step_as_grad_scaler_would
 from commsched.update.kinds import user_class
 
+COMPRESSION_STATE_KEY = "commsched_powersgd"
+"""Where ``optimizer.state_dict()`` holds this rank's compression state with ``Strategy(compression=...)``
+(torch.optim's own ``load_state_dict`` ignores the entry)."""
+
 
 class CommschedOptimizer:
     """Mixed into the class of a prepared optimizer (the optimizer object itself is kept).
@@ -97,13 +101,25 @@ class CommschedOptimizer:
         """torch.optim's state dict; with parameter servers, their state is fetched first."""
         self._commsched_fetch_state()
         try:
-            return super().state_dict()  # type: ignore[misc]
+            state = super().state_dict()  # type: ignore[misc]
         finally:
             self._commsched_drop_fetched_state()
+        compression = self._commsched_reducer.transport.compression
+        if compression is not None:
+            self.synchronize()  # the errors and Q of this iteration's reductions
+            state[COMPRESSION_STATE_KEY] = compression.state_dict(self._commsched_reducer.transport.rank)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch.optim does; with parameter servers, the state is sent to them too."""
+        """Load as torch.optim does; with parameter servers, the state is sent to them too; with
+        compression, its state (`COMPRESSION_STATE_KEY`) goes to the compressor."""
         self.synchronize()
+        compression = self._commsched_reducer.transport.compression
+        if COMPRESSION_STATE_KEY in state_dict:
+            state_dict = dict(state_dict)
+            saved = state_dict.pop(COMPRESSION_STATE_KEY)
+            if compression is not None:
+                compression.load_state_dict(saved, self._commsched_reducer.transport.rank)
         super().load_state_dict(state_dict)  # type: ignore[misc]
         elsewhere = self._commsched_reducer.policy.state_elsewhere
         if elsewhere is not None:

@@ -93,6 +93,7 @@ class ParameterServerTransport:
     sums_usage_flags = False
     scatter = None
     two_steps = None
+    compression = None
     join_refusal = (
         "Join (uneven inputs) is not supported with Strategy(backend=ParameterServer(...)): in sync mode "
         "the servers wait for every worker's gradients. Give every worker the same number of batches "

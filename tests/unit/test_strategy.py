@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched import AllReduce, ParameterServer, Strategy
+from commsched import AllReduce, ParameterServer, PowerSGD, Strategy
 from commsched.strategy import MIB
 
 
@@ -254,7 +254,7 @@ def test_every_field_but_trace_dir_must_agree_across_ranks():
         "partition_mb": None, "credit_mb": None, "adaptive": False, "overlap_forward": False, "fuse_optimizer": False,
         "timeout_s": 60, "backend": ParameterServer(), "autotune": True, "autotune_iterations": 20,
         "autotune_trial_iterations": 2, "autotune_seed": 7, "reduce_dtype": torch.float32,
-        "check_finite": "skip",
+        "check_finite": "skip", "compression": PowerSGD(),
     }
     compared = {f.name for f in dataclasses.fields(Strategy)} - {"trace_dir", "num_servers", "ps_mode",
                                                                   "ps_max_staleness"}
@@ -417,3 +417,61 @@ def test_the_choice_is_measured_where_nothing_else_measures():
     assert not Strategy(adaptive=False).measures_its_choice
     assert not Strategy(autotune=True).measures_its_choice  # the auto-tuner measures anyway
     assert Strategy(backend=AllReduce(shard_optimizer=True)).measures_its_choice  # resharded a bucket at a time
+
+
+def test_powersgd_takes_torch_powersgd_states_settings_and_defaults():
+    """The names and defaults of torch's PowerSGDState, so that a DDP user's settings carry over."""
+    import inspect
+
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    torch_defaults = {name: p.default for name, p in inspect.signature(PowerSGDState).parameters.items()
+                      if name not in ("process_group", "compression_stats_logging_frequency")}
+    ours = {f.name: f.default for f in dataclasses.fields(PowerSGD)}
+    assert ours == torch_defaults
+    assert repr(PowerSGD()) == "PowerSGD()"
+    assert repr(PowerSGD(matrix_approximation_rank=2, warm_start=False)) == (
+        "PowerSGD(matrix_approximation_rank=2, warm_start=False)")
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("matrix_approximation_rank", 0, r"PowerSGD.matrix_approximation_rank must be an integer from 1 to"),
+    ("matrix_approximation_rank", 1.5, r"PowerSGD.matrix_approximation_rank must be an integer"),
+    ("start_powerSGD_iter", -1, r"PowerSGD.start_powerSGD_iter must be an integer from 0 to"),
+    ("random_seed", 2**32, r"PowerSGD.random_seed must be an integer from 0 to 4294967295"),
+    ("min_compression_rate", 0, r"PowerSGD.min_compression_rate must be a finite number above 0, got 0"),
+    ("min_compression_rate", math.inf, r"PowerSGD.min_compression_rate must be a finite number above 0"),
+    ("orthogonalization_epsilon", -1e-8,
+     r"PowerSGD.orthogonalization_epsilon must be a finite number of at least 0"),
+    ("orthogonalization_epsilon", math.nan, r"PowerSGD.orthogonalization_epsilon must be a finite number"),
+    ("warm_start", 1, r"PowerSGD.warm_start must be True or False, got 1 \(int\)"),
+    ("use_error_feedback", None, r"PowerSGD.use_error_feedback must be True or False"),
+])
+def test_bad_powersgd_settings_name_the_field_and_range(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        PowerSGD(**{field: value})
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(compression="powersgd"),
+     r"Strategy.compression must be None or commsched.PowerSGD\(...\), got 'powersgd'"),
+    (dict(backend=ParameterServer()),
+     r"does not go with backend=ParameterServer.*use backend=AllReduce\(\) to compress"),
+    (dict(backend=AllReduce(shard_optimizer=True)), r"does not go with backend=AllReduce\(shard_optimizer=True\)"),
+    (dict(reduce_dtype=torch.bfloat16), r"does not go with reduce_dtype=torch.bfloat16: .*leave reduce_dtype at None"),
+    (dict(check_finite="raise"), r"does not go with check_finite='raise': .*leave check_finite at None"),
+])
+def test_compression_refuses_what_it_cannot_do_naming_the_fix(kwargs, match):
+    kwargs.setdefault("compression", PowerSGD())
+    with pytest.raises(ValueError, match=match):
+        Strategy(**kwargs)
+
+
+def test_compression_of_gradients_off_the_host_is_refused_before_any_collective():
+    """No process group exists here: the refusal comes before prepare() talks to any rank."""
+    import commsched
+
+    model = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match=r"compresses gradients in host memory only for now, and this model's are "
+                                         r"on meta"):
+        commsched.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), Strategy(compression=PowerSGD()))
