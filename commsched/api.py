@@ -97,11 +97,7 @@ def _prepare(
     strategy = _checked_strategy(strategy)
     _check_model(model)
     if strategy.compression is not None and _gradient_device(model).type != "cpu":
-        raise ValueError(
-            f"Strategy(compression={strategy.compression!r}) compresses gradients in host memory only for now, and "
-            f"this model's are on {_gradient_device(model)}: train it without compression (compression=None, or "
-            "reduce_dtype=torch.bfloat16 for half the bytes), or with its gradients on the CPU"
-        )
+        raise ValueError(_compression_off_host(strategy, model))
     if strategy.shards_optimizer:
         refusal = sharding_refusal(None if adopt_optimizer else optimizer)
         if refusal is not None:
@@ -164,6 +160,40 @@ def _prepare(
         adopter = functools.partial(_adopt_optimizer, model, strategy=strategy)
     watch_foreign_optimizers(model, optimizer, reducer, adopter)
     return model, optimizer
+
+
+def rewire_before_training(model: torch.nn.Module, strategy: Strategy) -> PowerSGDCompressor | None:
+    """For the drop-in's ``register_comm_hook``: train the prepared ``model`` with ``strategy``'s
+    ``reduce_dtype`` and ``compression`` (its other fields as prepared), from the first iteration.
+
+    Collective: every rank calls it, as every rank registers DDP's hook, and they check that they
+    agree first. Returns the compressor made, if any."""
+    reducer = _reducer_of(model, "register_comm_hook")
+    reducer.check_untrained("register_comm_hook()")
+    transport = reducer.transport
+    if (strategy.compression is not None or strategy.reduce_dtype is not None) and not isinstance(
+            transport, AllReduceTransport):
+        raise ValueError("a comm hook that compresses needs the all-reduce backend, not parameter servers")
+    if strategy.compression is not None and _gradient_device(model).type != "cpu":
+        raise ValueError(_compression_off_host(strategy, model))
+    setup = [checks_entry(None), *describe_setup(strategy, model, None)]
+    verify_setup_across_ranks(setup, reducer.groups.control, strategy.timeout_s)
+    if not isinstance(transport, AllReduceTransport):
+        return None
+    compression = None
+    group = reducer.groups.replicas
+    if strategy.compression is not None and dist.get_world_size(group) > 1:
+        reducer.groups.exchange = reducer.groups.exchange or exchange_group_for(group)
+        compression = PowerSGDCompressor(strategy.compression, dist.get_world_size(group),
+                                         SecondSteps.of_group(reducer.groups.exchange), reducer.groups.exchange)
+    reducer.rewire(lambda: transport.rewire(strategy.reduce_dtype, compression))
+    return compression
+
+
+def _compression_off_host(strategy: Strategy, model: torch.nn.Module) -> str:
+    return (f"Strategy(compression={strategy.compression!r}) compresses gradients in host memory only for now, and "
+            f"this model's are on {_gradient_device(model)}: train it without compression (compression=None, or "
+            "reduce_dtype=torch.bfloat16 for half the bytes), or with its gradients on the CPU")
 
 
 def _gradient_device(model: torch.nn.Module) -> torch.device:

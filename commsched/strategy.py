@@ -41,9 +41,10 @@ millisecond would round to none at all."""
 MAX_AUTOTUNE_ITERATIONS = 100_000
 """Longest search: beyond it the run would be mostly measuring."""
 
-REDUCE_DTYPES = (torch.float32, torch.bfloat16)
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What `Strategy.reduce_dtype` may name besides None: summing 16-bit gradients in float32, or
-sending float32 ones as bfloat16 (which has float32's range, so scaled gradients do not overflow)."""
+sending float32 ones as bfloat16 (which has float32's range, so scaled gradients do not overflow)
+or as float16 (torch DDP's ``fp16_compress_hook``: more precision, a range that can overflow)."""
 
 CHECK_FINITE_MODES = ("skip", "raise")
 """What `Strategy.check_finite` may be besides None."""
@@ -319,6 +320,10 @@ class Strategy:
     are given); the result is written back into the float32 bucket, so ``param.grad``,
     accumulation under ``no_sync()`` and the update stay float32. Each rounding is within
     2**-9 of the value rounded (docs/records/2026-11-25-reduce-dtype.md measures what that does to training).
+
+    ``torch.float16``: the same as bfloat16 with float16 on the wire, torch DDP's
+    ``fp16_compress_hook``: three more bits of precision, but a gradient share above 65504 becomes
+    inf (bfloat16 is the safer choice unless a measurement says otherwise).
 
     Other dtypes are never changed (float64 gradients stay float64). All-reduce backend
     only. ``commsched.status(model)`` shows each bucket's dtype on the wire."""

@@ -81,6 +81,11 @@ class _ScatterHandle:
         self._scatter.on_complete(callback)
 
 
+def _join_refusal(compression: PowerSGDCompressor) -> str:
+    return (f"Join (uneven inputs) is not supported with Strategy(compression={compression.settings!r}) yet: give "
+            "every rank the same number of batches (DistributedSampler(drop_last=True)), or train without compression")
+
+
 def _all_reduce_what(bucket: Bucket, partition: Partition) -> str:
     return (f"the all-reduce of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
             f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
@@ -168,10 +173,13 @@ class AllReduceTransport:
         self.compression = None if self.is_local else compression
         """Set with `commsched.Strategy.compression` among two or more ranks."""
         if self.compression is not None:
-            self.join_refusal = (
-                f"Join (uneven inputs) is not supported with Strategy(compression={compression.settings!r}) yet: "
-                "give every rank the same number of batches (DistributedSampler(drop_last=True)), or train "
-                "without compression")
+            self.join_refusal = _join_refusal(self.compression)
+
+    def rewire(self, reduce_dtype: torch.dtype | None, compression: PowerSGDCompressor | None) -> None:
+        """Before the layout is made (again): sum in ``reduce_dtype``, compress with ``compression``."""
+        self.reduce_dtype = reduce_dtype
+        self.compression = None if self.is_local else compression
+        self.join_refusal = None if self.compression is None else _join_refusal(self.compression)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         buckets = bucket_set.buckets

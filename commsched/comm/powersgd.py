@@ -253,6 +253,11 @@ class PowerSGDCompressor:
     def forget_process_groups(self) -> None:
         self._exchange_group = None  # type: ignore[assignment]
 
+    def continue_from(self, iterations: int, generator_state: Any) -> None:
+        """Go on from a torch ``PowerSGDState``: its iteration count and its seeds' generator."""
+        self.iterations = iterations
+        self._rng.set_state(generator_state)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, rank: int) -> dict[str, Any]:
         """This rank's state, for a resume that goes on exactly: its errors (they differ by rank),

@@ -22,11 +22,11 @@ _LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 
 def wire_dtype(grad_dtype: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype gradients of ``grad_dtype`` are summed in: float32 widens 16-bit gradients,
-    bfloat16 narrows float32 ones; anything else (float64, None) keeps ``grad_dtype``."""
+    bfloat16 or float16 narrows float32 ones; anything else (float64, None) keeps ``grad_dtype``."""
     if reduce_dtype == torch.float32 and grad_dtype in _LOW_PRECISION:
         return torch.float32
-    if reduce_dtype == torch.bfloat16 and grad_dtype == torch.float32:
-        return torch.bfloat16
+    if reduce_dtype in _LOW_PRECISION and grad_dtype == torch.float32:
+        return reduce_dtype
     return grad_dtype
 
 

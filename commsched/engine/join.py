@@ -53,11 +53,12 @@ class UnevenInputs:
         groups: ProcessGroups,
         reference: torch.Tensor,
         timeout_s: float,
-        refusal: str | None,
+        refusal: Callable[[], str | None],
         overlap_requested: bool,
     ):
         """``reference``: a parameter, on whose device the counts go where the group takes no CPU
-        tensors; ``refusal``: why the backend cannot shadow an iteration (None: it can)."""
+        tensors; ``refusal``: why the backend cannot shadow an iteration (None: it can), asked when
+        Join is entered (a comm hook may change the backend's wire before training)."""
         self._module, self._groups, self._reference = module, groups, reference
         self._timeout_s, self._refusal, self._overlap_requested = timeout_s, refusal, overlap_requested
 
@@ -80,8 +81,9 @@ class UnevenInputs:
 
     def hook(self, participant: JoinParticipant) -> JoinHook:
         """The hook ``Join`` runs; what a joined rank cannot shadow is refused here rather than as a hang."""
-        if self._refusal is not None:
-            raise RuntimeError(self._refusal)
+        refusal = self._refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if self._overlap_requested and self._counts_share_gradients_group():
             raise RuntimeError(
                 "Join (uneven inputs) with forward overlap needs commsched's control group, which is made "

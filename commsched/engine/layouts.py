@@ -81,6 +81,11 @@ class LayoutInUse:
         self._relayout(forward_order)
         return self.overlap_off_reason is None and self._overlap.updates_per_bucket
 
+    def rebuild(self) -> None:
+        """The transport changed before any iteration: the layout, if made already, is made again."""
+        if self.layout is not None:
+            self._relayout(self.layout.forward_order)
+
     def _relayout(self, forward_order: Sequence[int]) -> None:
         """Buckets, partitions and gates for the layout in use; gradients move into the new buckets."""
         config, transport = self.config, self._transport

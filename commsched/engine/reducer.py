@@ -115,7 +115,8 @@ class GradientReducer:
         self.buffers = BufferBroadcast(lambda: self._fingerprint.modules, groups, config.timeout_s,
                                        config.broadcast_buffers and transport.world_size > 1)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
-                                          transport.join_refusal or policy.join_refusal, config.overlap_requested)
+                                          lambda: transport.join_refusal or policy.join_refusal,
+                                          config.overlap_requested)
         self._joined_steps = JoinedSteps(None if policy.sharded is None else policy.sharded.step_records,
                                          self.uneven_inputs)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current,
@@ -123,6 +124,20 @@ class GradientReducer:
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
             self._build(list(range(len(self.params))), {})
+
+    def check_untrained(self, what: str) -> None:
+        """``what`` can change how gradients go on the wire only before any iteration."""
+        if self.current is not None or self.lifecycle not in (Lifecycle.RECORDING, Lifecycle.WARMUP):
+            raise RuntimeError(
+                f"{what} must be called before the first forward pass (as torch DDP requires it before the "
+                "first backward): this model has trained already. Call it right after wrapping the model.")
+
+    def rewire(self, change_transport: Callable[[], None]) -> None:
+        """Before any training (a comm hook registered on the drop-in): ``change_transport()`` changes
+        what goes on the wire, and the layout is made anew, as if the model had been prepared so."""
+        self.check_untrained("register_comm_hook()")
+        change_transport()
+        self.layouts.rebuild()
 
     # ---------------------------------------------------------------- state
     @property

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 from torch.utils._pytree import tree_map_only
 
-from commsched.api import prepare, prepare_adopting_optimizer
+from commsched.api import prepare, prepare_adopting_optimizer, rewire_before_training
+from commsched.integrations.comm_hooks import builtin_hook, settings_for_hook
 from commsched.prepared.module import drop_raw_view
 from commsched.strategy import Strategy
 
@@ -130,6 +131,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.gradient_as_bucket_view = True
         self.static_graph = static_graph
         self._move_inputs = device_ids is not None
+        self._comm_hook: Any = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._move_inputs:
@@ -183,13 +185,20 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.module._join_config = config
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise RuntimeError(
-            "commsched.DistributedDataParallel schedules its own communication, so it takes no comm hook: "
-            "for gradients compressed to bf16 use strategy=commsched.Strategy(reduce_dtype=torch.bfloat16); "
-            "for anything else, keep torch DDP for this model")
+        """torch's built-in hooks, as commsched's own settings (`commsched.integrations.comm_hooks`),
+        before the first forward pass; once, as torch DDP allows. Collective, as under torch DDP."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once, as with torch DDP (this model has "
+                               f"{getattr(self._comm_hook, '__qualname__', self._comm_hook)} already)")
+        settings = settings_for_hook(self.strategy, state, hook, self.process_group)
+        compressor = rewire_before_training(self.module, settings.strategy)
+        if compressor is not None and settings.powersgd_generator is not None:
+            compressor.continue_from(settings.powersgd_iterations, settings.powersgd_generator.get_state())
+        self.strategy = settings.strategy
+        self._comm_hook = hook
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        self.register_comm_hook(None, comm_hook_type)
+        self.register_comm_hook(None, builtin_hook(comm_hook_type))
 
     def _set_static_graph(self) -> None:
         """Nothing to do: the graph is learnt in warm-up, as static_graph=True would let DDP do."""

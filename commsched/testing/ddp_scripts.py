@@ -9,6 +9,7 @@ import io
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import commsched
@@ -81,8 +82,10 @@ def case_drop_in(rank, device="cpu"):
     assert_same_state(model.module.state_dict(), reference)
     assert_same_state(model.state_dict(), {f"module.{k}": v for k, v in reference.items()})
     assert scheduler.get_last_lr() == [1e-2 * 0.5 ** (STEPS // 3)], scheduler.get_last_lr()
-    with pytest.raises(RuntimeError, match="reduce_dtype"):
+    with pytest.raises(ValueError, match=r"takes torch's built-in comm hooks only .*Strategy\(reduce_dtype"):
         model.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(RuntimeError, match=r"register_comm_hook\(\) must be called before the first forward pass"):
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     with pytest.raises(RuntimeError, match=r"model\.module"):
         torch.save(model, io.BytesIO())
     commsched.release(model.module)

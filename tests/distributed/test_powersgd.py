@@ -18,7 +18,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.join import Join
 
 import commsched
@@ -85,6 +86,61 @@ def case_same_as_ddp_hook(rank, world_size, optimizer_name, settings):
     worth_it = tuple(name for name, p in ddp.module.named_parameters()
                      if p.dim() == 2 and (sum(p.shape) * min(rank_of, *p.shape) * 2 < p.numel()))
     assert compression.compressed_parameters == worth_it, (compression, worth_it)
+
+
+def case_drop_in_takes_the_built_in_hooks(rank, world_size, hook_name):
+    """The script's ``register_comm_hook`` line kept under `commsched.DistributedDataParallel`: the
+    parameters are torch DDP's with the same hook (16-bit wires: within their rounding; torch's
+    ``bf16_compress_hook`` needs CUDA, so there torch DDP without a hook is the reference)."""
+    batches = _batches(world_size, 12)
+    wide = hook_name != "powerSGD_hook"
+    results = []
+    for wrap in (torch.nn.parallel.DistributedDataParallel,
+                 functools.partial(commsched.DistributedDataParallel, strategy=commsched.Strategy(adaptive=False))):
+        network = _network().float() if wide else _network()
+        model = wrap(network)
+        if hook_name == "bf16_compress_hook" and wrap is torch.nn.parallel.DistributedDataParallel:
+            pass
+        elif hook_name == "powerSGD_hook":
+            model.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2, random_seed=5),
+                                     powerSGD_hook.powerSGD_hook)
+        elif hook_name == "builtin_fp16":
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        else:
+            model.register_comm_hook(None, getattr(default_hooks, hook_name))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for x, y in batches:
+            batch = (x.float(), y.float()) if wide else (x, y)
+            _share_loss(model, batch, rank).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(model)
+    ddp, mine = results
+    if hook_name == "powerSGD_hook":
+        _assert_close(mine.module, ddp.module)
+        assert commsched.status(mine.module).compression.active
+    else:
+        mine.module.state_dict()
+        for a, b in zip(mine.module.parameters(), ddp.module.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+        wire = commsched.status(mine.module).buckets[0].reduce_dtype
+        assert wire == {"allreduce_hook": "float32", "bf16_compress_hook": "bfloat16"}.get(hook_name, "float16"), wire
+    with pytest.raises(RuntimeError, match=r"register_comm_hook can only be called once"):
+        mine.register_comm_hook(None, default_hooks.allreduce_hook)
+    commsched.release(mine.module)
+
+
+def case_drop_in_refuses_other_hooks(rank, world_size):
+    model = commsched.DistributedDataParallel(_network())
+    with pytest.raises(ValueError, match=r"batched_powerSGD_hook compresses each DDP bucket as one square matrix"):
+        model.register_comm_hook(powerSGD_hook.PowerSGDState(None), powerSGD_hook.batched_powerSGD_hook)
+    with pytest.raises(ValueError, match=r"built-in comm hooks only .* got _noop: its code would run on DDP's"):
+        model.register_comm_hook(None, _noop)
+    commsched.release(model.module)
+
+
+def _noop(state, bucket):
+    raise AssertionError("never called")
 
 
 # ------------------------------------------------------------------ against one process
@@ -200,6 +256,10 @@ def powersgd_grid(rank: int, world_size: int) -> None:
     cases["resume_is_the_uninterrupted_run"] = functools.partial(case_resume_is_the_uninterrupted_run, rank,
                                                                   world_size)
     cases["refusals"] = functools.partial(case_refusals, rank, world_size)
+    for hook_name in ("allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "builtin_fp16", "powerSGD_hook"):
+        cases[f"drop_in_takes/{hook_name}"] = functools.partial(case_drop_in_takes_the_built_in_hooks, rank,
+                                                                world_size, hook_name)
+    cases["drop_in_refuses_other_hooks"] = functools.partial(case_drop_in_refuses_other_hooks, rank, world_size)
     run_subtests(cases)
 
 

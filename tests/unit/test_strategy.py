@@ -317,23 +317,23 @@ def test_autotune_without_optuna_says_how_to_install_it(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- reduce_dtype
-def test_reduce_dtype_takes_float32_bfloat16_or_none():
+def test_reduce_dtype_takes_float32_bfloat16_float16_or_none():
     assert Strategy().reduce_dtype is None
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         strategy = Strategy(reduce_dtype=dtype)
         assert strategy.reduce_dtype is dtype
         assert f"reduce_dtype={dtype}" in strategy.describe()
         assert dataclasses.replace(strategy, priority=False).reduce_dtype is dtype
 
 
-@pytest.mark.parametrize("value", [torch.float16, torch.float64, torch.int8, "float32", "torch.bfloat16", "bf16",
+@pytest.mark.parametrize("value", [torch.float64, torch.int8, "float32", "torch.bfloat16", "bf16",
                                    1, True])
 def test_bad_reduce_dtypes_name_the_field_and_the_choices(value):
     with pytest.raises(ValueError) as error:
         Strategy(reduce_dtype=value)
     message = str(error.value)
     assert message.startswith(f"Strategy.reduce_dtype must be None or one of torch.float32, torch.bfloat16, "
-                              f"got {value!r}")
+                              f"torch.float16, got {value!r}")
     if value in ("float32", "torch.bfloat16"):  # what was meant is named
         assert f"write torch.{value.removeprefix('torch.')} (a torch.dtype, not a string)" in message
 
@@ -353,6 +353,7 @@ def test_reduce_dtype_widens_16_bit_gradients_and_narrows_float32_ones_only():
     f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
     assert [wire_dtype(d, f32) for d in (f64, f32, bf16, f16)] == [f64, f32, f32, f32]
     assert [wire_dtype(d, bf16) for d in (f64, f32, bf16, f16)] == [f64, bf16, bf16, f16]
+    assert [wire_dtype(d, f16) for d in (f64, f32, bf16, f16)] == [f64, f16, bf16, f16]
     assert [wire_dtype(d, None) for d in (f64, f32, bf16, f16)] == [f64, f32, bf16, f16]
 
 
