@@ -149,7 +149,7 @@ def _equality_system(system: str, base: nn.Module, make_optimizer, approximation
     model = copy.deepcopy(base)
     strategy = commsched.Strategy(
         compression=commsched.PowerSGD(matrix_approximation_rank=approximation_rank, start_powerSGD_iter=3),
-        bucket_cap_mb=ONE_BUCKET_MB, first_bucket_mb=ONE_BUCKET_MB, adaptive=False)
+        bucket_cap_mb=ONE_BUCKET_MB, first_bucket_mb=ONE_BUCKET_MB, partition_mb=None, adaptive=False)
     return commsched.prepare(model, make_optimizer(model), strategy)
 
 
