@@ -45,7 +45,7 @@ from torch import nn
 from commsched.bench import runner
 from commsched.bench.compare import SETTLED_AFTER
 from commsched.bench.repeats import Repeat, median_s, ratios
-from commsched.bench.tasks import BATCH, task
+from commsched.bench.tasks import BATCH, Host, flat_parameters, interleaved_rounds, plot_losses, release, task
 
 BENCH_MODELS = ("vgg-like", "resnet-like", "transformer-like")
 COMPUTE, DDP_HOOK, COMMSCHED = "compute only", "DDP, powerSGD_hook", "commsched, PowerSGD"
@@ -82,19 +82,6 @@ def build(system: str, base: nn.Module, make_optimizer, rank: int, start: int
     reduce_dtype = torch.bfloat16 if "bf16" in system else None
     return commsched.prepare(model, make_optimizer(model),
                              commsched.Strategy(compression=compression, reduce_dtype=reduce_dtype))
-
-
-def release(model: nn.Module) -> None:
-    import commsched
-
-    if isinstance(model, commsched.CommschedModule):
-        commsched.release(model)
-
-
-def flat_parameters(model: nn.Module) -> torch.Tensor:
-    model.state_dict()  # waits for pending updates
-    module = getattr(model, "module", model)
-    return torch.cat([p.detach().double().reshape(-1) for p in module.parameters()])
 
 
 def compressed_sizes(model: nn.Module, approximation_rank: int) -> tuple[int, int]:
@@ -156,44 +143,17 @@ def _equality_system(system: str, base: nn.Module, make_optimizer, approximation
 # ---------------------------------------------------------------------------- speed
 def speed_worker(spec_path: Path, out_path: Path) -> None:
     """One host of the emulated cluster: every system side by side in interleaved rounds."""
-    torch.set_num_threads(1)
     spec = json.loads(spec_path.read_text())
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    t = task(spec["model"])
-    torch.manual_seed(0)
-    base = t.build()
-    batch = spec["batch"]
-    mine = slice(rank * batch, (rank + 1) * batch)
+    host = Host.join(spec["model"], spec["batch"])
+    t, base, mine, rank = host.task, host.base, host.mine, host.rank
     runs = []
     for system in spec["systems"]:
-        model, optimizer = build(system, base, t.optimizer, spec["rank"], start=2)
-        runs.append((system, model, optimizer, t.batches(batch * world_size, 1)))
+        model, optimizer = build(system, base, host.task.optimizer, spec["rank"], start=2)
+        runs.append((system, model, optimizer, host.stream()))
 
-    def step(model, optimizer, stream) -> float:
-        x, y = next(stream)
-        started = time.perf_counter()
-        t.loss(model, x[mine], y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - started
-
-    def drain(optimizer) -> None:
-        if hasattr(optimizer, "synchronize"):
-            optimizer.synchronize()
-
-    for system, model, optimizer, stream in runs:
-        dist.barrier()
-        for _ in range(SETTLED_AFTER if system.startswith("commsched") else spec["warmup"]):
-            step(model, optimizer, stream)
-        drain(optimizer)
-    times: dict[str, list[float]] = {system: [] for system, *_ in runs}
-    for round_index in range(spec["rounds"]):
-        for system, model, optimizer, stream in (runs if round_index % 2 == 0 else runs[::-1]):
-            dist.barrier()
-            step(model, optimizer, stream)  # the lead-in (see [Note: steady-state rounds] in commsched.bench.compare)
-            times[system] += [step(model, optimizer, stream) for _ in range(spec["iterations"])]
-            drain(optimizer)
+    warmups = {system: SETTLED_AFTER if system.startswith("commsched") else spec["warmup"]
+               for system in spec["systems"]}
+    times = interleaved_rounds(runs, t, mine, warmups, spec["rounds"], spec["iterations"])
     times["compressed all-reduces alone"] = _compressed_all_reduces_alone(base, spec["rank"], spec["iterations"])
     for _, model, *_ in runs:
         release(model)
@@ -268,10 +228,6 @@ def convergence_on_rank(rank: int, world_size: int, models: list[str], steps: in
     return results if rank == 0 else None
 
 
-def smoothed(losses: list[float], window: int = 10) -> list[float]:
-    return [statistics.fmean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
-
-
 def convergence_rows(results: dict) -> list[str]:
     rows = ["| model | system | loss, last tenth | / uncompressed |", "|---|---|---|---|"]
     for name, systems in results.items():
@@ -281,25 +237,6 @@ def convergence_rows(results: dict) -> list[str]:
             last = statistics.fmean(losses[-tail:])
             rows.append(f"| {name} | {system} | {last:.4f} | {last / base:.3f} |")
     return rows
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(4.6 * len(results), 3.4), squeeze=False)
-    for ax, (name, systems) in zip(axes[0], results.items(), strict=True):
-        for system, losses in systems.items():
-            ax.plot(smoothed(losses), label=system, linewidth=1.2, linestyle="--" if "DDP" in system else "-")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-    axes[0][0].set_ylabel("training loss (smoothed over 10 steps)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- main
@@ -345,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         saved["results"] = saved.pop("rows")
         print("\n".join(report(saved)))
         if args.plot and saved["part"] == "convergence":
-            plot(saved["results"], args.plot)
+            plot_losses(saved["results"], args.plot)
         return 0
     if args.part is None:
         parser.error("name a part (equality, speed or convergence), or --report a saved run")
@@ -360,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         out["results"] = run_ranks(convergence_on_rank, 2, args.models or ["gpt", "resnet-like"],
                                    args.steps or 300, timeout_s=args.timeout_s)[0]
         if args.plot:
-            plot(out["results"], args.plot)
+            plot_losses(out["results"], args.plot)
     else:
         settings = {"systems": list(SPEED_SYSTEMS), "rounds": args.rounds, "iterations": args.iterations,
                     "warmup": args.warmup, "rank": args.rank}

@@ -56,7 +56,17 @@ from torch import nn
 
 from commsched.bench import runner
 from commsched.bench.repeats import Repeat, median_s, ratios
-from commsched.bench.tasks import BATCH, Task, task
+from commsched.bench.tasks import (
+    BATCH,
+    Host,
+    Task,
+    flat_parameters,
+    interleaved_rounds,
+    plot_losses,
+    release,
+    smoothed,
+    task,
+)
 
 FP32_SYSTEMS = ("commsched, float32", "commsched, bf16 on the wire", "DDP, bf16_compress_hook")
 BF16_SYSTEMS = ("commsched, bf16 params", "commsched, bf16 params, fp32 sum")
@@ -86,19 +96,6 @@ def build(system: str, base: nn.Module, make_optimizer) -> tuple[nn.Module, torc
     reduce_dtype = {"commsched, bf16 on the wire": torch.bfloat16,
                     "commsched, bf16 params, fp32 sum": torch.float32}.get(system)
     return commsched.prepare(model, make_optimizer(model), commsched.Strategy(reduce_dtype=reduce_dtype))
-
-
-def release(model: nn.Module) -> None:
-    import commsched
-
-    if isinstance(model, commsched.CommschedModule):
-        commsched.release(model)
-
-
-def flat_parameters(model: nn.Module) -> torch.Tensor:
-    model.state_dict()  # waits for pending updates
-    module = getattr(model, "module", model)
-    return torch.cat([p.detach().double().reshape(-1) for p in module.parameters()])
 
 
 def flat_gradients(model: nn.Module) -> torch.Tensor:
@@ -205,10 +202,6 @@ def convergence_on_rank(rank: int, world_size: int, models: list[str], steps: in
     return results if rank == 0 else None
 
 
-def smoothed(losses: list[float], window: int = 10) -> list[float]:
-    return [statistics.fmean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
-
-
 def convergence_rows(results: dict) -> list[str]:
     """Every system against float32 training (`FP32_SYSTEMS`' first, one process's to float tolerance)."""
     baseline = FP32_SYSTEMS[0]
@@ -228,65 +221,23 @@ def convergence_rows(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), squeeze=False)
-    for ax, (name, systems) in zip(axes[0], results.items(), strict=True):
-        for system, data in systems.items():
-            ax.plot(smoothed(data["losses"]), label=system, linewidth=1.2,
-                    linestyle="--" if "DDP" in system else "-")
-        ax.set_title(name)
-        ax.set_xlabel("step")
-    axes[0][0].set_ylabel("training loss (smoothed)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    plot_losses({name: {system: data["losses"] for system, data in systems.items()}
+                 for name, systems in results.items()}, path)
 
 
 # ---------------------------------------------------------------------------- speed
 def speed_worker(spec_path: Path, out_path: Path) -> None:
     """One host of the emulated cluster: every system side by side in interleaved rounds."""
-    torch.set_num_threads(1)
     spec = json.loads(spec_path.read_text())
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    t = task(spec["model"])
-    torch.manual_seed(0)
-    base = t.build()
-    batch = spec["batch"]
-    mine = slice(rank * batch, (rank + 1) * batch)
+    host = Host.join(spec["model"], spec["batch"])
+    t, base, mine, rank = host.task, host.base, host.mine, host.rank
     runs = []
     for system in spec["systems"]:
-        model, optimizer = build(system, base, t.optimizer)
-        runs.append((system, model, optimizer, t.batches(batch * world_size, 1)))
+        model, optimizer = build(system, base, host.task.optimizer)
+        runs.append((system, model, optimizer, host.stream()))
 
-    def step(model, optimizer, stream) -> float:
-        x, y = next(stream)
-        started = time.perf_counter()
-        t.loss(model, x[mine], y[mine]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - started
-
-    def drain(optimizer) -> None:
-        if hasattr(optimizer, "synchronize"):
-            optimizer.synchronize()
-
-    times: dict[str, list[float]] = {system: [] for system, *_ in runs}
-    for system, model, optimizer, stream in runs:
-        for _ in range(spec["warmup"]):
-            step(model, optimizer, stream)
-        drain(optimizer)
-    for round_index in range(spec["rounds"]):
-        for system, model, optimizer, stream in (runs if round_index % 2 == 0 else runs[::-1]):
-            dist.barrier()
-            step(model, optimizer, stream)  # the lead-in (see [Note: steady-state rounds] in commsched.bench.compare)
-            times[system] += [step(model, optimizer, stream) for _ in range(spec["iterations"])]
-            drain(optimizer)
+    times = interleaved_rounds(runs, t, mine, {system: spec["warmup"] for system in spec["systems"]},
+                               spec["rounds"], spec["iterations"])
     for _, model, *_ in runs:
         release(model)
     if rank == 0:

@@ -135,7 +135,7 @@ def _prepare(
             groups.exchange = exchange_group_for(group)
         if strategy.compression is not None and groups.exchange is not None:
             compression = PowerSGDCompressor(strategy.compression, dist.get_world_size(group),
-                                             SecondSteps.of_group(groups.exchange), groups.exchange)
+                                             SecondSteps.of_group(groups.exchange))
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype,
                                        reduce_scatter=strategy.reduce_scatters,
                                        exchange_group=groups.exchange if two_steps else None,
@@ -185,7 +185,7 @@ def rewire_before_training(model: torch.nn.Module, strategy: Strategy) -> PowerS
     if strategy.compression is not None and dist.get_world_size(group) > 1:
         reducer.groups.exchange = reducer.groups.exchange or exchange_group_for(group)
         compression = PowerSGDCompressor(strategy.compression, dist.get_world_size(group),
-                                         SecondSteps.of_group(reducer.groups.exchange), reducer.groups.exchange)
+                                         SecondSteps.of_group(reducer.groups.exchange))
     reducer.rewire(lambda: transport.rewire(strategy.reduce_dtype, compression))
     return compression
 

@@ -1,5 +1,6 @@
 """Training tasks for the benchmarks that compare how systems train, not only how fast: a model,
-its data, its loss and its optimizer, the same stream of batches for every system.
+its data, its loss and its optimizer, the same stream of batches for every system; and what those
+benchmarks share to train systems side by side and draw their loss curves.
 
 The bench models (`commsched.bench.models`) with SGD and momentum, and a small GPT (next-token
 prediction on sequences of a fixed random Markov chain) with AdamW.
@@ -7,8 +8,11 @@ prediction on sequences of a fixed random Markov chain) with AdamW.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,3 +86,109 @@ def task(name: str) -> Task:
     workload = WORKLOADS[name]
     return Task(name, workload.build, lambda batch, seed: workload.batches(batch, seed=seed),
                 lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+
+# --------------------------------------------------------------- training side by side
+def release(model: nn.Module) -> None:
+    """`commsched.release` for a prepared model; nothing for torch's systems."""
+    import commsched
+
+    if isinstance(model, commsched.CommschedModule):
+        commsched.release(model)
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """Every parameter of ``model`` (or of the module it wraps), in float64, once pending updates are done."""
+    model.state_dict()  # waits for pending updates
+    module = getattr(model, "module", model)
+    return torch.cat([p.detach().double().reshape(-1) for p in module.parameters()])
+
+
+def interleaved_rounds(runs: list[tuple[str, nn.Module, torch.optim.Optimizer, Iterator]], t: Task,
+                       mine: slice, warmups: dict[str, int], rounds: int, iterations: int) -> dict[str, list[float]]:
+    """Each system's measured iteration times, side by side: each trains its ``warmups[name]``
+    iterations unmeasured, then in ``rounds`` rounds (every other one in reverse order) a lead-in
+    and ``iterations`` measured ones, what is in flight finished outside the timed span (see
+    [Note: steady-state rounds] in `commsched.bench.compare`). Collective: every rank runs it."""
+    import torch.distributed as dist
+
+    def step(model, optimizer, stream) -> float:
+        x, y = next(stream)
+        started = time.perf_counter()
+        t.loss(model, x[mine], y[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - started
+
+    def drain(optimizer) -> None:
+        if hasattr(optimizer, "synchronize"):
+            optimizer.synchronize()
+
+    for name, model, optimizer, stream in runs:
+        dist.barrier()
+        for _ in range(warmups[name]):
+            step(model, optimizer, stream)
+        drain(optimizer)
+    times: dict[str, list[float]] = {name: [] for name, *_ in runs}
+    for round_index in range(rounds):
+        for name, model, optimizer, stream in (runs if round_index % 2 == 0 else runs[::-1]):
+            dist.barrier()
+            step(model, optimizer, stream)  # the lead-in
+            times[name] += [step(model, optimizer, stream) for _ in range(iterations)]
+            drain(optimizer)
+    return times
+
+
+def smoothed(losses: list[float], window: int = 10) -> list[float]:
+    return [statistics.fmean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
+
+
+def plot_losses(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Per model, each system's loss curve (smoothed over 10 steps; torch's systems dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.6 * len(curves), 3.4), squeeze=False)
+    for ax, (name, systems) in zip(axes[0], curves.items(), strict=True):
+        for system, losses in systems.items():
+            ax.plot(smoothed(losses), label=system, linewidth=1.2, linestyle="--" if "DDP" in system else "-")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel("training loss (smoothed over 10 steps)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host of a side-by-side benchmark, its process group joined: the task, the same
+    starting weights on every rank, and this rank's share of each batch."""
+
+    task: Task
+    base: nn.Module
+    batch: int
+    rank: int
+    world_size: int
+
+    @classmethod
+    def join(cls, model: str, batch: int) -> Host:
+        """Join the job's gloo group (one thread of computation per host) and build ``model``."""
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        t = task(model)
+        torch.manual_seed(0)
+        return cls(t, t.build(), batch, dist.get_rank(), dist.get_world_size())
+
+    @property
+    def mine(self) -> slice:
+        return slice(self.rank * self.batch, (self.rank + 1) * self.batch)
+
+    def stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The job's batches, the same on every rank (each takes `mine` of them)."""
+        return self.task.batches(self.batch * self.world_size, 1)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from commsched.comm import reduce_scatter, two_step
 from commsched.comm.heartbeat import Heartbeat
-from commsched.comm.powersgd import PowerSGDCompressor, PowerSGDReduction
+from commsched.comm.powersgd import PowerSGDCompressor
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.reduce_scatter import BucketScattering
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
@@ -91,34 +91,14 @@ def _all_reduce_what(bucket: Bucket, partition: Partition) -> str:
             f"of {bucket.wire.numel()}, {bucket.wire_nbytes} bytes in all)")
 
 
-class _CompressedHandle:
-    """A bucket's PowerSGD all-reduce (`commsched.comm.powersgd`); a timeout names the lost rank."""
-
-    __slots__ = ("_reduction", "_transport")
-
-    def __init__(self, reduction: PowerSGDReduction, transport: AllReduceTransport):
-        self._reduction, self._transport = reduction, transport
-
-    def wait(self, timeout_s: float) -> None:
-        try:
-            self._reduction.wait(timeout_s)
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
-
-    def is_completed(self) -> bool:
-        return self._reduction.is_completed()
-
-    def on_complete(self, callback: Callable[[], None]) -> None:
-        self._reduction.on_complete(callback)
-
-
-class _TwoStepHandle:
-    """A partition all-reduced in two steps; copied back to the gradients once waited for."""
+class _StepsHandle:
+    """A partition reduced in two steps (`commsched.comm.two_step.SecondStepOperation`: two
+    all-to-alls, or a bucket's PowerSGD all-reduces); copied back to the gradients once waited for
+    where summed in another dtype."""
 
     __slots__ = ("_reduction", "_bucket", "_partition", "_transport")
 
-    def __init__(self, reduction: two_step.TwoStepAllReduce, bucket: Bucket, partition: Partition,
+    def __init__(self, reduction: two_step.SecondStepOperation, bucket: Bucket, partition: Partition,
                  transport: AllReduceTransport):
         self._reduction, self._bucket, self._partition = reduction, bucket, partition
         self._transport = transport
@@ -231,14 +211,14 @@ class AllReduceTransport:
                                              by_all_to_all=self._backend_name == "gloo")
             return _ScatterHandle(scatter, bucket, partition, self)
         if self.compression is not None and self.compression.compresses(bucket.index):
-            return _CompressedHandle(self.compression.reduce(bucket, self.process_group,
-                                                             _all_reduce_what(bucket, partition)), self)
+            reduction = self.compression.reduce(bucket, self.process_group, _all_reduce_what(bucket, partition))
+            return _StepsHandle(reduction, bucket, partition, self)
         wire = bucket.wire[partition.start:partition.end]
         rule = self._two_steps
         if rule is not None and rule.applies(partition.nbytes, bucket.index, self._first_bucket):
             reduction = two_step.TwoStepAllReduce(wire, self.process_group, rule.second_steps,
                                                   _all_reduce_what(bucket, partition))
-            return _TwoStepHandle(reduction, bucket, partition, self)
+            return _StepsHandle(reduction, bucket, partition, self)
         work = dist.all_reduce(wire, group=self.process_group, async_op=True)
         return _WorkHandle(work, bucket, partition, self)
 
@@ -268,5 +248,4 @@ class AllReduceTransport:
     def forget_process_groups(self) -> None:
         self.process_group = None  # type: ignore[assignment]
         self._two_steps = self.two_steps = None
-        if self.compression is not None:
-            self.compression.forget_process_groups()
+

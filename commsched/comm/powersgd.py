@@ -40,18 +40,15 @@ the input-side layers first.
 from __future__ import annotations
 
 import math
-import threading
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commsched.comm.two_step import SecondSteps
-from commsched.errors import communication_timeout, wait_or_raise
+from commsched.comm.two_step import SecondStepOperation, SecondSteps
 from commsched.layout.buckets import Bucket, BucketSet
 from commsched.strategy import PowerSGD
 
@@ -140,14 +137,13 @@ class PowerSGDCompressor:
     """One prepared model's PowerSGD state: settings, each parameter's error and ``Q``, the
     iteration, and the figures `commsched.status` reports."""
 
-    def __init__(self, settings: PowerSGD, world_size: int, second_steps: SecondSteps,
-                 exchange_group: dist.ProcessGroup):
+    def __init__(self, settings: PowerSGD, world_size: int, second_steps: SecondSteps):
+        """``second_steps``: the queue of the exchange group, where the ``Q`` are all-reduced."""
         import numpy as np  # as torch's hook: its seeds, so that the first Q are DDP's
 
         self.settings = settings
         self.world_size = world_size
         self._second_steps = second_steps
-        self._exchange_group = exchange_group
         self._rng = np.random.RandomState(settings.random_seed)
         self.errors: dict[int, torch.Tensor] = {}
         """Per slot of a compressed gradient: this rank's error, in the bucket's scale (divided by
@@ -234,10 +230,6 @@ class PowerSGDCompressor:
         return query
 
     @property
-    def exchange_group(self) -> dist.ProcessGroup:
-        return self._exchange_group
-
-    @property
     def second_steps(self) -> SecondSteps:
         return self._second_steps
 
@@ -249,9 +241,6 @@ class PowerSGDCompressor:
         if self.bytes_sent:
             saved = f": {compression_ratio(self.bytes_sent, self.bytes_uncompressed):.1f}x fewer bytes so far"
         return f"PowerSGD rank {settings.matrix_approximation_rank} {when}{saved}"
-
-    def forget_process_groups(self) -> None:
-        self._exchange_group = None  # type: ignore[assignment]
 
     def continue_from(self, iterations: int, generator_state: Any) -> None:
         """Go on from a torch ``PowerSGDState``: its iteration count and its seeds' generator."""
@@ -291,13 +280,14 @@ class PowerSGDCompressor:
             stacklevel=3)
 
 
-class PowerSGDReduction:
+class PowerSGDReduction(SecondStepOperation):
     """One bucket's compressed all-reduce (see [Note: PowerSGD under the schedule]): a handle
     whose ``wait`` leaves the averaged approximation in the bucket."""
 
     def __init__(self, compressor: PowerSGDCompressor, bucket: Bucket, plan: BucketCompression,
                  group: dist.ProcessGroup, what: str):
-        self._compressor, self._bucket, self._plan, self._what = compressor, bucket, plan, what
+        super().__init__(compressor.second_steps, what)
+        self._compressor, self._bucket, self._plan = compressor, bucket, plan
         settings = compressor.settings
         flat = bucket.wire  # the gradients' memory (compression has no reduce_dtype): see `matrix_of`
         self._first_buffer = torch.empty(plan.rest_numel + plan.p_numel, dtype=flat.dtype, device=flat.device)
@@ -325,63 +315,29 @@ class PowerSGDReduction:
                             .view(matrix.columns, matrix.rank))
             position += matrix.rows * matrix.rank
             q_position += matrix.columns * matrix.rank
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        self._issued = threading.Event()
-        """Set once the second step is issued, or once the first failed (then ``_failure`` says how)."""
-        self._failure: BaseException | None = None
-        self._second: dist.Work | None = None
         self._finished = False
-        self.summed = False
-        """True once the ``Q`` are computed and ready to send (`SecondSteps` reads it)."""
-        self._first = dist.all_reduce(self._first_buffer, group=group, async_op=True)
-        compressor.second_steps.enqueue(self)
-        self._first.get_future().add_done_callback(self._first_step_done)
+        self._first_issued(dist.all_reduce(self._first_buffer, group=group, async_op=True), self._compute_queries)
 
-    def _first_step_done(self, future: torch.futures.Future) -> None:
+    def _compute_queries(self) -> None:
         """On a communication thread: the rest back into the bucket, ``Q = M^T P`` from the summed ``P``."""
-        try:
-            future.value()
-            flat, position = self._bucket.wire, 0
-            for start, end in self._plan.rest:
-                flat[start:end].copy_(self._first_buffer[position:position + end - start])
-                position += end - start
-            # The P summed here are the hook's divided by the world size: so is the epsilon added to their norms.
-            epsilon = self._compressor.settings.orthogonalization_epsilon / self._compressor.world_size
-            for matrix, p, q in zip(self._plan.matrices, self._ps, self._qs, strict=True):
-                orthonormalize(p, epsilon)
-                torch.matmul(self._compressor.matrix_of(self._bucket, matrix).T, p, out=q)
-            self.summed = True
-            self._compressor.second_steps.first_step_done()
-        except BaseException as error:  # noqa: BLE001 - surfaced by wait() on the training thread
-            self._failure = error
-            self._issued.set()
+        flat, position = self._bucket.wire, 0
+        for start, end in self._plan.rest:
+            flat[start:end].copy_(self._first_buffer[position:position + end - start])
+            position += end - start
+        # The P summed here are the hook's divided by the world size: so is the epsilon added to their norms.
+        epsilon = self._compressor.settings.orthogonalization_epsilon / self._compressor.world_size
+        for matrix, p, q in zip(self._plan.matrices, self._ps, self._qs, strict=True):
+            orthonormalize(p, epsilon)
+            torch.matmul(self._compressor.matrix_of(self._bucket, matrix).T, p, out=q)
 
-    def issue_second_step(self, group: dist.ProcessGroup) -> None:
-        """Called by `SecondSteps`, in first-step order: all-reduce the ``Q`` on the exchange group."""
-        second = dist.all_reduce(self._q_buffer, group=self._compressor.exchange_group, async_op=True)
-        with self._lock:
-            self._second = second
-
-    def second_step_issued(self) -> None:
-        """Called by `SecondSteps` outside its lock: callbacks registered so far go on the second step."""
-        with self._lock:
-            second, callbacks, self._callbacks = self._second, self._callbacks, []
-        assert second is not None, "second_step_issued before issue_second_step"
-        for callback in callbacks:
-            second.get_future().add_done_callback(lambda _, callback=callback: callback())
-        self._issued.set()
+    def _second_work(self, group: dist.ProcessGroup) -> dist.Work:
+        """All-reduce the ``Q`` on the exchange group."""
+        return dist.all_reduce(self._q_buffer, group=group, async_op=True)
 
     def wait(self, timeout_s: float) -> None:
         if self._finished:
             return
-        deadline = time.monotonic() + timeout_s
-        wait_or_raise(self._first, timeout_s, f"the first step (rest and P) of {self._what}")
-        if not self._issued.wait(max(0.0, deadline - time.monotonic())):
-            raise communication_timeout(f"the second step (Q) of {self._what}", timeout_s, None)
-        if self._failure is not None:
-            raise communication_timeout(f"the first step (rest and P) of {self._what}", timeout_s, self._failure)
-        wait_or_raise(self._second, max(0.0, deadline - time.monotonic()), f"the second step (Q) of {self._what}")
+        self._wait_steps(timeout_s, "the first step (rest and P)", "the second step (Q)")
         self._decompress()
         self._finished = True
 
@@ -396,18 +352,6 @@ class PowerSGDReduction:
                 compressor.errors[matrix.slot].sub_(m, alpha=share)
             compressor.queries[matrix.slot] = q  # a view: it keeps the buffer of Q alone alive
         self._first_buffer = self._q_buffer = None  # type: ignore[assignment]
-
-    def is_completed(self) -> bool:
-        second = self._second
-        return second is not None and second.is_completed()
-
-    def on_complete(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            second = self._second
-            if second is None:
-                self._callbacks.append(callback)
-                return
-        second.get_future().add_done_callback(lambda _: callback())
 
 
 def compression_ratio(sent: int, uncompressed: int) -> float:

@@ -144,17 +144,16 @@ _QUEUES_LOCK = threading.Lock()
 atexit.register(_QUEUES.clear)
 
 
-class TwoStepAllReduce:
-    """The sum of ``tensor`` over ``group``, in place, in two all-to-alls (see [Note: an all-reduce
-    in two steps]). ``wait`` and ``is_completed`` cover both steps."""
+class SecondStepOperation:
+    """An operation whose second collective can start only once its first is done, issued through
+    `SecondSteps` (the two-step all-reduce below; PowerSGD's all-reduce of ``Q`` in
+    `commsched.comm.powersgd`). A subclass issues its first step, then calls `_first_issued`; on
+    the first step's completion it does its part and calls `_first_step_done`; `_second_work`
+    issues the second. ``wait`` (theirs) ends with `_wait_second_step`."""
 
-    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, second_steps: SecondSteps, what: str):
-        self._tensor, self._what = tensor, what
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self._sizes = piece_sizes(tensor.numel(), world_size)
-        self._mine = self._sizes[rank]
-        self._received = torch.empty(self._mine * world_size, dtype=tensor.dtype, device=tensor.device)
-        self._send: torch.Tensor | None = None
+    def __init__(self, second_steps: SecondSteps, what: str):
+        self._what = what
+        self._second_steps = second_steps
         self._second: dist.Work | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -162,32 +161,33 @@ class TwoStepAllReduce:
         """Set once the second step is issued, or once the first failed (then ``_failure`` says how)."""
         self._failure: BaseException | None = None
         self.summed = False
-        """True once this rank's piece of the sum is ready to send."""
-        self._second_steps = second_steps
-        self._first = dist.all_to_all_single(self._received, tensor, [self._mine] * world_size, self._sizes,
-                                             group=group, async_op=True)
-        second_steps.enqueue(self)
-        self._first.get_future().add_done_callback(self._first_step_done)
+        """True once the second step is ready to go (`SecondSteps` reads it)."""
 
-    def _first_step_done(self, future: torch.futures.Future) -> None:
-        """On a communication thread: sum this rank's piece, then let the second steps go in order."""
-        try:
-            future.value()
-            world_size = len(self._sizes)
-            summed = torch.sum(self._received.view(world_size, self._mine), dim=0)
-            self._send = summed.repeat(world_size)
-            self._received = None  # type: ignore[assignment]
-            self.summed = True
-            self._second_steps.first_step_done()
-        except BaseException as error:  # noqa: BLE001 - surfaced by wait() on the training thread
-            self._failure = error
-            self._issued.set()
+    def _first_issued(self, first: dist.Work, on_first_done: Callable[[], None]) -> None:
+        """The first step is on its way: queue the second, and run ``on_first_done`` (on a
+        communication thread) when the first is done, then let the second steps go in order."""
+        self._first = first
+        self._second_steps.enqueue(self)
+
+        def done(future: torch.futures.Future) -> None:
+            try:
+                future.value()
+                on_first_done()
+                self.summed = True
+                self._second_steps.first_step_done()
+            except BaseException as error:  # noqa: BLE001 - surfaced by wait() on the training thread
+                self._failure = error
+                self._issued.set()
+
+        first.get_future().add_done_callback(done)
+
+    def _second_work(self, group: dist.ProcessGroup) -> dist.Work:
+        """Issue the second step on ``group`` (the exchange group): a subclass's own collective."""
+        raise NotImplementedError
 
     def issue_second_step(self, group: dist.ProcessGroup) -> None:
-        """Called by `SecondSteps`, in first-step order: send this rank's summed piece to every rank."""
-        world_size = len(self._sizes)
-        second = dist.all_to_all_single(self._tensor, self._send, self._sizes, [self._mine] * world_size,
-                                        group=group, async_op=True)
+        """Called by `SecondSteps`, in first-step order."""
+        second = self._second_work(group)
         with self._lock:
             self._second = second
 
@@ -201,15 +201,15 @@ class TwoStepAllReduce:
             second.get_future().add_done_callback(lambda _, callback=callback: callback())
         self._issued.set()
 
-    def wait(self, timeout_s: float) -> None:
+    def _wait_steps(self, timeout_s: float, first: str, second: str) -> None:
+        """Wait for both steps (``first`` and ``second`` name them in a timeout's message)."""
         deadline = time.monotonic() + timeout_s
-        wait_or_raise(self._first, timeout_s, f"the first step of {self._what}")
+        wait_or_raise(self._first, timeout_s, f"{first} of {self._what}")
         if not self._issued.wait(max(0.0, deadline - time.monotonic())):
-            raise communication_timeout(f"the second step of {self._what}", timeout_s, None)
+            raise communication_timeout(f"{second} of {self._what}", timeout_s, None)
         if self._failure is not None:
-            raise communication_timeout(f"the first step of {self._what}", timeout_s, self._failure)
-        wait_or_raise(self._second, max(0.0, deadline - time.monotonic()), f"the second step of {self._what}")
-        self._send = None
+            raise communication_timeout(f"{first} of {self._what}", timeout_s, self._failure)
+        wait_or_raise(self._second, max(0.0, deadline - time.monotonic()), f"{second} of {self._what}")
 
     def is_completed(self) -> bool:
         second = self._second
@@ -222,3 +222,37 @@ class TwoStepAllReduce:
                 self._callbacks.append(callback)
                 return
         second.get_future().add_done_callback(lambda _: callback())
+
+
+class TwoStepAllReduce(SecondStepOperation):
+    """The sum of ``tensor`` over ``group``, in place, in two all-to-alls (see [Note: an all-reduce
+    in two steps]). ``wait`` and ``is_completed`` cover both steps."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, second_steps: SecondSteps, what: str):
+        super().__init__(second_steps, what)
+        self._tensor = tensor
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self._sizes = piece_sizes(tensor.numel(), world_size)
+        self._mine = self._sizes[rank]
+        self._received = torch.empty(self._mine * world_size, dtype=tensor.dtype, device=tensor.device)
+        self._send: torch.Tensor | None = None
+        first = dist.all_to_all_single(self._received, tensor, [self._mine] * world_size, self._sizes,
+                                       group=group, async_op=True)
+        self._first_issued(first, self._sum_my_piece)
+
+    def _sum_my_piece(self) -> None:
+        """On a communication thread: this rank's piece of the sum, to send to every rank."""
+        world_size = len(self._sizes)
+        summed = torch.sum(self._received.view(world_size, self._mine), dim=0)
+        self._send = summed.repeat(world_size)
+        self._received = None  # type: ignore[assignment]
+
+    def _second_work(self, group: dist.ProcessGroup) -> dist.Work:
+        """Send this rank's summed piece to every rank."""
+        world_size = len(self._sizes)
+        return dist.all_to_all_single(self._tensor, self._send, self._sizes, [self._mine] * world_size,
+                                      group=group, async_op=True)
+
+    def wait(self, timeout_s: float) -> None:
+        self._wait_steps(timeout_s, "the first step", "the second step")
+        self._send = None
