@@ -123,6 +123,28 @@ class TransformerLike(nn.Module):
         return self.head(self.encoder(h).mean(dim=1))
 
 
+class ViTLike(nn.Module):
+    """A Vision Transformer at small size: 4x4 patches of a 32x32 image, a class token, six
+    pre-norm encoder blocks of width 192, a head on the class token (ViT-B/16's layout, scaled down)."""
+
+    def __init__(self, width: int = 192, layers: int = 6, heads: int = 3, patch: int = 4, image: int = 32,
+                 classes: int = 10):
+        super().__init__()
+        self.patches = nn.Conv2d(3, width, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.position = nn.Parameter(torch.zeros(1, (image // patch) ** 2 + 1, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2)
+        tokens = torch.cat([self.cls_token.expand(len(x), -1, -1), tokens], dim=1) + self.position
+        return self.head(self.norm(self.encoder(tokens))[:, 0])
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and the synthetic classification task it trains on."""
@@ -210,6 +232,7 @@ WORKLOADS: dict[str, Workload] = {
     "resnet-like": Workload("resnet-like", ResNetLike, (3, 32, 32)),
     "vgg-like": Workload("vgg-like", VGGLike, (3, 32, 32)),
     "transformer-like": Workload("transformer-like", TransformerLike, (64,), vocab=8000),
+    "vit-like": Workload("vit-like", ViTLike, (3, 32, 32)),
     # Computation charged as sleep, sized for the emulated links (`commsched.bench.emulated`).
     **{name: Workload(name, emulated.build, (INPUT_WIDTH,)) for name, emulated in EMULATED_WORKLOADS.items()},
 }

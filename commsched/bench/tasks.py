@@ -3,7 +3,7 @@ its data, its loss and its optimizer, the same stream of batches for every syste
 benchmarks share to train systems side by side and draw their loss curves.
 
 The bench models (`commsched.bench.models`) with SGD and momentum, and a small GPT (next-token
-prediction on sequences of a fixed random Markov chain) with AdamW.
+prediction on sequences of a fixed random Markov chain) and nanoGPT's model with AdamW.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BATCH = {"resnet-like": 32, "vgg-like": 64, "transformer-like": 16, "mlp": 32, "gpt": 16}
+BATCH = {"resnet-like": 32, "vgg-like": 64, "transformer-like": 16, "mlp": 32, "gpt": 16, "nanogpt": 8, "vit-like": 16}
 """Per rank, as `commsched bench`; the GPT's in sequences of `GPT_SEQUENCE` tokens."""
 GPT_VOCAB, GPT_SEQUENCE = 512, 64
 
@@ -42,6 +42,14 @@ class SmallGPT(nn.Module):
         h = self.tokens(tokens) + self.position[:length]
         h = self.blocks(h, mask=self.mask[:length, :length].to(h.dtype), is_causal=True)
         return self.head(self.norm(h))
+
+
+def nanogpt() -> nn.Module:
+    """nanoGPT's model at 4 layers of width 192 (its own blocks, ``F.scaled_dot_product_attention``,
+    a head tied to the token embedding), on this module's vocabulary and sequence length."""
+    from commsched.testing.models import TinyGPT
+
+    return TinyGPT(vocab=GPT_VOCAB, width=192, layers=4, heads=4, length=GPT_SEQUENCE)
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,8 @@ def markov_batches(batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, t
 def task(name: str) -> Task:
     from commsched.bench.models import WORKLOADS
 
-    if name == "gpt":
-        return Task("gpt", SmallGPT, markov_batches,
+    if name in ("gpt", "nanogpt"):
+        return Task(name, SmallGPT if name == "gpt" else nanogpt, markov_batches,
                     lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
     workload = WORKLOADS[name]
     return Task(name, workload.build, lambda batch, seed: workload.batches(batch, seed=seed),

@@ -1,7 +1,8 @@
 """Which buckets the training loop waits for, and where: the forward gates, and the reads outside them.
 
 With forward overlap, each module's gate (`commsched.engine.hooks.ForwardGates`) waits for
-its own buckets. What warm-up saw decides the rest (see [Note: reads outside
+its own buckets; in compiled code a compiled module's, or its blocks', wait for what they
+hold ([Note: gates in compiled code] in `commsched.layout.compiled_gates`). What warm-up saw decides the rest (see [Note: reads outside
 the forward pass] and [Note: reads before the gate] in `commsched.watch.reads`):
 buckets the loop reads before the forward pass are updated at ``step()``, those
 it reads after it when the forward pass returns, and parameters a warm-up
@@ -19,6 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from commsched.engine.hooks import ForwardGates, WaitForBuckets
+from commsched.layout.compiled_gates import CompiledGates
 from commsched.layout.grad_layout import GradLayout, gating_modules
 from commsched.watch.autograd_context import running_backward
 from commsched.watch.reads import ParameterReads
@@ -38,6 +40,7 @@ class ForwardGating:
     ):
         """``wait_for(buckets)``: complete those buckets of the current pass (a gate's wait)."""
         self._root, self._params, self._names, self._wait_for = root, params, names, wait_for
+        self._forward_order: tuple[int, ...] = ()
         self._read_before_owner: dict[int, torch.nn.Module] = {}
         """Per slot the first forward pass read before its module ran, the module that read it;
         the root for those a warm-up pass read before their gate ([Note: reads before the gate])."""
@@ -53,13 +56,17 @@ class ForwardGating:
         self.gated_at_forward_start: tuple[str, ...] = ()
         """Parameters a warm-up forward pass read before their gates."""
 
-    def readers_found(self, read_before_owner: Mapping[int, torch.nn.Module]) -> None:
-        """What the first forward pass saw: parameters read before their own module ran, and by which."""
+    def readers_found(self, read_before_owner: Mapping[int, torch.nn.Module], forward_order: Sequence[int]) -> None:
+        """What the first forward pass saw: parameters read before their own module ran, and by which,
+        and the order parameters were first used in."""
         self._read_before_owner = dict(read_before_owner)
+        self._forward_order = tuple(forward_order)
 
     def modules(self) -> list[list[torch.nn.Module]]:
-        """Per slot, the modules whose gate waits for it (`commsched.layout.grad_layout.gating_modules`)."""
-        return gating_modules(self._root, self._params, self._read_before_owner)
+        """Per slot, the modules whose gate waits for it (`commsched.layout.grad_layout.gating_modules`),
+        at the granularity of what was compiled ([Note: gates in compiled code])."""
+        gates = gating_modules(self._root, self._params, self._read_before_owner)
+        return CompiledGates(self._root).coarsen(gates, self._forward_order)
 
     def install(self, layout: GradLayout) -> None:
         """One gate per module that waits for parameters, for ``layout``."""

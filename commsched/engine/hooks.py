@@ -14,8 +14,10 @@
 
 With forward overlap, the forward gates too (`ForwardGates`): a forward
 pre-hook on every module that owns parameters or reads others' before their
-module runs (`commsched.layout.grad_layout.gating_modules`), placed by
-`commsched.engine.gating` for each layout; the root's runs before any other.
+module runs (`commsched.layout.grad_layout.gating_modules`), or in compiled code
+on the compiled module or its blocks ([Note: gates in compiled code] in
+`commsched.layout.compiled_gates`), placed by `commsched.engine.gating` for each
+layout; the root's runs before any other.
 A gate asks the current backward pass to finish its buckets: wait for their
 reductions, then run the updates ``step()`` released. The CPU waits on the
 handle; modules whose buckets are done pass straight through.

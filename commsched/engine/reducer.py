@@ -49,6 +49,7 @@ from commsched.engine.trace import Tracer
 from commsched.engine.views_ahead import ViewsAhead
 from commsched.engine.warmup import Warmup
 from commsched.errors import CommunicationTimeout, communication_failed, failures_explained
+from commsched.layout.compiled_gates import refuse_gates_in_full_graphs
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Plan
 from commsched.update.base import UpdatePolicy
@@ -96,6 +97,8 @@ class GradientReducer:
         self._sync_enabled = True
         self._scatter_decision = ScatterDecision(transport.scatter, lambda: groups.control, config.timeout_s)
         """Whether the loop lets gradients be reduce-scattered (see [Note: reduce-scattered buckets])."""
+        if config.overlap_requested:
+            refuse_gates_in_full_graphs(module)  # [Note: gates in compiled code]
         self._views_ahead = ViewsAhead(module, self.params)
         self._fingerprint = ParameterFingerprint(module)
         self._events = EventBus()

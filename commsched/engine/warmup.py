@@ -35,6 +35,7 @@ from commsched.engine.events import EventBus
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.engine.ready_times import ReadyTimeProfile
+from commsched.layout.compiled_gates import see_gates_when_compiled
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.calibration import Calibration, calibrate
 from commsched.planning.cost_model import Choice, Timeline
@@ -131,6 +132,8 @@ class Warmup:
     def _compile_when_recorded(self) -> None:
         """Once no forward pass is left to record, a compiled model runs compiled again."""
         if self._eager is not None and self._layout_known and self.reads is None:
+            if self._config.overlap_requested:
+                see_gates_when_compiled(self._module)  # [Note: dynamo and module hooks]
             self._eager.detach()
             self._eager = None
 

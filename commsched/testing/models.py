@@ -97,6 +97,54 @@ class TinyResNet(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))
 
 
+class GPTBlock(nn.Module):
+    """A pre-norm Transformer block as nanoGPT writes it: causal self-attention, then an MLP."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+                   for t in self.qkv(self.norm1(x)).split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, length, width))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT in miniature: token and position embeddings, a stack of blocks, a final norm, a head
+    tied to the token embedding. What compiling a Transformer meets, small enough for a CPU.
+    Inputs: ``(batch, length)`` token ids below ``vocab``."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, layers: int = 3, heads: int = 2, length: int = 8):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(length, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+        for module in self.modules():  # nanoGPT's initialisation: the tied head starts near uniform
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 class CheckpointedNet(nn.Module):
     """An MLP whose blocks may run under ``torch.utils.checkpoint``.
 

@@ -2,8 +2,10 @@
 
 commsched's warm-up records its first iterations with a torch-function mode, which
 dynamo must not trace: those forward passes run eagerly, and the model is compiled
-from the first one after warm-up, each module's gate running between two graphs (see
-[Note: recording and torch.compile] in commsched/watch/parameter_use.py).
+from the first one after warm-up (see [Note: recording and torch.compile] in
+commsched/watch/parameter_use.py), its gates at the compiled modules or their blocks,
+so that dynamo compiles each block's code once (see [Note: gates in compiled code]
+in commsched/layout/compiled_gates.py).
 ``prepare(torch.compile(model))`` trains; a model compiled whole (``model.compile()``)
 or compiled after ``prepare()`` is refused.
 """
@@ -23,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import commsched
 from commsched.testing import OPTIMIZERS, one_process_step, reference_copy, run_subtests
-from commsched.testing.models import TinyResNet
+from commsched.testing.models import TinyGPT, TinyResNet
 from commsched.testing.shared_ranks import in_shared_ranks
 
 pytestmark = pytest.mark.distributed
@@ -138,6 +140,96 @@ def case_compiled_submodule(rank: int, world_size: int) -> None:
     commsched.release(model)
 
 
+GPT_ITERATIONS = 10
+SMALL_BUCKETS = dict(bucket_cap_mb=0.01, first_bucket_mb=0.01)
+"""Several buckets in TinyGPT (about 13 kB a block): the blocks' gates have something to wait for."""
+
+
+def gpt_batches(world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(11)
+    n = world_size * PER_RANK
+    return [(torch.randint(0, 32, (n, 8), generator=generator), torch.randint(0, 32, (n, 8), generator=generator))
+            for _ in range(GPT_ITERATIONS)]
+
+
+def gpt_loss(model, x, y):
+    def loss_of_share(r: int) -> torch.Tensor:
+        mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        return F.cross_entropy(model(x[mine]).reshape(-1, 32), y[mine].reshape(-1))
+
+    return loss_of_share
+
+
+def compiled_gpt(how: str, backend) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(model given to prepare(), module whose parameters train)`` for TinyGPT compiled ``how``:
+    whole (nanoGPT's ``torch.compile(model)``), per block as torchtitan does (each block a
+    ``torch.compile(block, fullgraph=True)``), or per block in place (``block.compile()``)."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    if how == "whole":
+        return torch.compile(base, backend=backend), base
+    for i, block in enumerate(base.blocks):
+        if how == "per block":
+            base.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+        else:
+            block.compile(backend=backend)
+    return base, base
+
+
+def case_gpt_compiled(rank: int, world_size: int, how: str, within_graphs: int) -> None:
+    """TinyGPT compiled ``how``, several buckets, forward overlap: gates sit at what was compiled, so
+    that over 10 iterations dynamo compiles at most ``within_graphs`` graphs, all by the first compiled
+    iteration, and never again; no graph break outside the blocks' gates; one process's parameters
+    (and, compiled whole, torch DDP's on the same compiled model, compiled first in the same process)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    data = gpt_batches(world_size)
+    # One backend for both: dynamo reuses a graph only for the backend it was compiled by.
+    counter = CompileCounterWithBackend("aot_eager")
+    ddp_module = None
+    if how == "whole":
+        torch.manual_seed(0)
+        ddp_module = DistributedDataParallel(torch.compile(TinyGPT(), backend=counter))
+        ddp_optimizer = OPTIMIZERS[OPTIMIZER](ddp_module.parameters())
+        for x, y in data:
+            gpt_loss(ddp_module, x, y)(rank).backward()
+            ddp_optimizer.step()
+            ddp_optimizer.zero_grad()
+        # No reset: dynamo must not run the graphs it compiled for DDP's copy, which has no gates, for
+        # commsched's ([Note: dynamo and module hooks] in commsched/layout/compiled_gates.py).
+        torch._dynamo.utils.counters.clear()
+    ddp_graphs = counter.frame_count
+    prepared, base = compiled_gpt(how, counter)
+    torch.manual_seed(0)
+    reference, reference_optimizer = reference_copy(TinyGPT(), OPTIMIZERS[OPTIMIZER])
+    model, optimizer = commsched.prepare(prepared, OPTIMIZERS[OPTIMIZER](base.parameters()),
+                                         commsched.Strategy(**SMALL_BUCKETS))
+    graphs = []
+    for x, y in data:
+        gpt_loss(model, x, y)(rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(counter.frame_count - ddp_graphs)
+        one_process_step(reference_optimizer, gpt_loss(reference, x, y), world_size)
+    assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
+    assert len(commsched.status(model).buckets) >= 3, commsched.status(model).buckets
+    assert any(graphs), f"no graph compiled for commsched's model, which ran another copy's, without gates: {graphs}"
+    first = next(i for i, n in enumerate(graphs) if n)
+    assert graphs[first:] == [graphs[first]] * (GPT_ITERATIONS - first) and graphs[first] <= within_graphs, (
+        f"graphs compiled by the end of each iteration: {graphs}; at most {within_graphs}, none after the first")
+    counters = torch._dynamo.utils.counters
+    assert not [k for k in counters["frames"] if "limit" in k], dict(counters["frames"])
+    breaks = {reason: n for reason, n in counters["graph_break"].items() if "commsched" not in reason}
+    assert not breaks, f"graph breaks other than commsched's gates: {breaks}"
+    optimizer.synchronize()
+    for (name, got), want in zip(base.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if ddp_module is not None:
+        for (name, got), ddp in zip(base.named_parameters(), ddp_module.module._orig_mod.parameters(), strict=True):
+            torch.testing.assert_close(got, ddp, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n} (DDP): {m}")
+    commsched.release(model)
+
+
 def norm_penalty(model: torch.nn.Module) -> torch.Tensor:
     """Not linear in the parameters, so stale values change the gradients (BatchNorm's biases start at zero)."""
     return 0.01 * sum(((p**2).sum() + 0.01).sqrt() for p in model.parameters())
@@ -202,6 +294,20 @@ def case_compiled_after_prepare_is_refused(rank: int, world_size: int, how: str)
     commsched.release(base)
 
 
+def case_in_place_full_graph_block_is_refused(rank: int, world_size: int) -> None:
+    """``block.compile(fullgraph=True)`` runs the block's gate inside its one graph: with forward overlap
+    ``prepare()`` refuses it, naming the fixes; without, it trains."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    base.blocks[1].compile(backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"'blocks\.1'.*fullgraph=True.*overlap_forward=False"):
+        commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()))
+    assert not isinstance(base, commsched.CommschedModule)
+    model, _ = commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()),
+                                 commsched.Strategy(overlap_forward=False))
+    commsched.release(model)
+
+
 def compile_grid(rank: int, world_size: int) -> None:
     cases = {
         "torch.compile then prepare, aot_eager": functools.partial(
@@ -211,9 +317,17 @@ def compile_grid(rank: int, world_size: int) -> None:
         "torch.compile then prepare, inductor": functools.partial(
             case_trains_as_one_process, rank, world_size, "inductor", False, False),
         "compiled submodule": functools.partial(case_compiled_submodule, rank, world_size),
+        # One graph for the blocks (their code, compiled once) and, compiled whole, none for the rest,
+        # which runs eagerly around them; per block, one graph.
+        "TinyGPT compiled whole": functools.partial(case_gpt_compiled, rank, world_size, "whole", 1),
+        "TinyGPT compiled per block": functools.partial(case_gpt_compiled, rank, world_size, "per block", 1),
+        "TinyGPT compiled per block in place": functools.partial(
+            case_gpt_compiled, rank, world_size, "per block in place", 1),
         "compiled penalty before the forward pass": functools.partial(
             case_compiled_penalty_before_forward, rank, world_size),
         "Module.compile then prepare: refused": functools.partial(case_compiled_whole_is_refused, rank, world_size),
+        "block.compile(fullgraph=True) with forward overlap: refused": functools.partial(
+            case_in_place_full_graph_block_is_refused, rank, world_size),
     }
     for how in ("torch.compile", "Module.compile"):
         cases[f"prepare then {how}: refused"] = functools.partial(
