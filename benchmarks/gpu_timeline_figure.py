@@ -41,9 +41,12 @@ def main() -> None:
     parser = runner.make_parser(__doc__, summary_only=True)
     parser.add_argument("timeline", help="the JSON written by gpu_world1.py --profile")
     parser.add_argument("png")
+    parser.add_argument("--system", default="commsched", help="which profiled system to draw (default: commsched)")
     parser.add_argument("--title", default="commsched (default Strategy), ResNet-50, one H100, under torch.profiler")
     args = parser.parse_args()
-    draw(runner.read_rows(args.timeline), args.title).savefig(args.png, dpi=120)
+    timelines = runner.read_rows(args.timeline)
+    timeline = timelines[args.system] if "iterations" not in timelines else timelines  # older files hold one
+    draw(timeline, args.title).savefig(args.png, dpi=120)
 
 
 if __name__ == "__main__":

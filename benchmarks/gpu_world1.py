@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import commsched
 from commsched.bench import runner
-from commsched.strategy import Strategy
+from commsched.strategy import AllReduce, Strategy
 
 MODELS = {
     # name: (torchvision constructor, batch size, optimizer)
@@ -57,6 +57,7 @@ SYSTEMS = {
     "no wrapper, fused optimizer": "fused",
     "DDP": "ddp",
     "commsched": Strategy(),
+    "commsched, forced schedule": Strategy(backend=AllReduce(schedule_one_rank=True)),
     "commsched, overlap off": Strategy(overlap_forward=False),
     "commsched, priority off": Strategy(priority=False),
     "commsched, unfused": Strategy(overlap_forward=False, fuse_optimizer=False),
@@ -178,13 +179,13 @@ def peak_memory_in_child(model_name: str, system: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def profile_timeline(model_name: str, iterations: int = 6) -> dict:
-    """commsched's default for ``iterations`` iterations under torch.profiler, as a compact timeline."""
+def profile_timeline(model_name: str, iterations: int = 6, system: str = "commsched") -> dict:
+    """``system`` for ``iterations`` iterations under torch.profiler, as a compact timeline."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     base = build_model(model_name)
     x, y = batch(model_name)
-    run = build_system("commsched", model_name, base)
+    run = build_system(system, model_name, base)
     for _ in range(8):
         run.step(x, y)
     run.drain()
@@ -223,7 +224,11 @@ def timeline_of(events: list[dict], iterations: int) -> dict:
     blocking = [{"name": e["name"], "at_ms": (float(e["ts"]) - origin) / 1e3, "dur_ms": float(e["dur"]) / 1e3}
                 for e in events if e.get("cat") == "cuda_runtime" and e["name"] in HOST_BLOCKING
                 and float(e["ts"]) >= origin]
-    return {"iterations": rows, "host_blocking_calls": blocking}
+    queries = sum(1 for e in events if e.get("cat") == "cuda_runtime" and e["name"] == "cudaEventQuery"
+                  and float(e["ts"]) >= origin)
+    ahead = sum(1 for before, after in zip(rows, rows[1:]) if after["cpu_start_ms"] < before["gpu_end_ms"])
+    return {"iterations": rows, "host_blocking_calls": blocking, "event_queries_per_iteration": queries / iterations,
+            "host_ahead": ahead}
 
 
 def host_profile(model_name: str, systems: list[str], iterations: int = 20, top: int = 25) -> list[str]:
@@ -300,15 +305,20 @@ def main(argv: list[str] | None = None) -> None:
         results[model_name] = {"seconds_per_iteration": times, "peak_bytes": memory}
         print("\n".join(report(model_name, times, memory)), "\n", flush=True)
     if args.profile:
-        timeline = profile_timeline(args.models[0])
-        results["timeline"] = timeline
-        runner.write_json(args.profile, timeline)
-        blocking = timeline["host_blocking_calls"]
-        print(f"profiled {len(timeline['iterations'])} iterations of commsched ({args.models[0]}): "
-              f"{len(blocking)} host-blocking CUDA calls", [b["name"] for b in blocking][:20])
-        for row in timeline["iterations"]:
-            print(f"  iteration {row['iteration']}: CPU {row['cpu_start_ms']:.1f}-{row['cpu_end_ms']:.1f} ms, "
-                  f"GPU {row['gpu_start_ms']:.1f}-{row['gpu_end_ms']:.1f} ms, {row['kernels']} kernels")
+        timelines = {}
+        for system in [name for name in ("commsched", "commsched, forced schedule") if name in args.systems]:
+            timeline = timelines[system] = profile_timeline(args.models[0], system=system)
+            blocking = timeline["host_blocking_calls"]
+            print(f"profiled {len(timeline['iterations'])} iterations of {system} ({args.models[0]}): "
+                  f"{len(blocking)} host-blocking CUDA calls", [b["name"] for b in blocking][:20],
+                  f"{timeline['event_queries_per_iteration']:.1f} cudaEventQuery per iteration; the host started "
+                  f"{timeline['host_ahead']} of {len(timeline['iterations']) - 1} iterations before the GPU ended "
+                  "the one before")
+            for row in timeline["iterations"]:
+                print(f"  iteration {row['iteration']}: CPU {row['cpu_start_ms']:.1f}-{row['cpu_end_ms']:.1f} ms, "
+                      f"GPU {row['gpu_start_ms']:.1f}-{row['gpu_end_ms']:.1f} ms, {row['kernels']} kernels")
+        results["timeline"] = timelines
+        runner.write_json(args.profile, timelines)
     if args.host_profile:
         lines = host_profile(args.models[0], args.systems, args.iterations)
         with open(args.host_profile, "w") as f:

@@ -31,6 +31,7 @@ from commsched.comm.allreduce import AllReduceTransport
 from commsched.comm.powersgd import PowerSGDCompressor
 from commsched.comm.side_groups import control_group_for, exchange_group_for, parameter_group_for, side_group_for
 from commsched.comm.two_step import SecondSteps, two_steps_possible
+from commsched.device import seam_for
 from commsched.engine.config import RunConfig
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.reducer import GradientReducer
@@ -105,6 +106,7 @@ def _prepare(
     group, control_group = _agree(model, optimizer, strategy, process_group, _Entry.PREPARE)
     _warn_of_own_module_attribute(model)
     config = RunConfig.of(strategy)
+    seam = seam_for(_gradient_device(model))
     if strategy.parameter_server:
         side = join_parameter_server_job(model, optimizer, strategy)
         if isinstance(side, ParameterServer):
@@ -119,12 +121,13 @@ def _prepare(
             raise ServingFinished(side.serve())
         groups = ProcessGroups(side.worker_group, side.buffer_group or side.worker_group, side.worker_group,
                                owned=side.made_groups)
-        reducer = GradientReducer(model, config, side.transport, side.policy, groups)
+        reducer = GradientReducer(model, config, side.transport, side.policy, groups, seam=seam)
     else:
         groups = ProcessGroups(group, _buffer_group(strategy, group) or group, control_group)
         if strategy.shards_optimizer:
             groups.parameters = parameter_group_for(group)
-            policy = ShardedUpdate(optimizer, strategy.fuse_optimizer, lambda: groups.parameters, strategy.timeout_s)
+            policy = ShardedUpdate(optimizer, strategy.fuse_optimizer, lambda: groups.parameters, strategy.timeout_s,
+                                   seam)
         else:
             policy = LocalUpdate(optimizer, fuse_optimizer=strategy.fuse_optimizer,
                                  overlap_forward=strategy.overlap_forward)
@@ -139,9 +142,11 @@ def _prepare(
         transport = AllReduceTransport(group, reduce_dtype=strategy.reduce_dtype,
                                        reduce_scatter=strategy.reduce_scatters,
                                        exchange_group=groups.exchange if two_steps else None,
-                                       all_to_all_mb=all_to_all_mb, compression=compression)
+                                       all_to_all_mb=all_to_all_mb, compression=compression,
+                                       schedule_one_rank=strategy.backend.schedule_one_rank)
         try:
-            reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer)
+            reducer = GradientReducer(model, config, transport, policy, groups, awaiting_optimizer=adopt_optimizer,
+                                      seam=seam)
         except BaseException:
             transport.finish()  # a refused prepare() leaves no heartbeat thread behind
             raise

@@ -198,6 +198,7 @@ class Status:
                     f"  {label} iteration {figures.iteration}: {figures.partitions_issued} partitions, "
                     f"{figures.bytes_issued / 2**20:.2f} MiB issued, waited {figures.exposed_wait_s * 1e3:.1f} ms "
                     f"for reductions, updates {figures.update_s * 1e3:.1f} ms"
+                    + ("" if figures.host_waits is None else f", {figures.host_waits} host waits on the device")
                 )
         return "\n".join(lines)
 

@@ -89,6 +89,14 @@ class AllReduce:
     many partitions are in flight: measure before setting it). None or 0: the ring throughout.
     Other backends keep their own all-reduce."""
 
+    schedule_one_rank: bool = False
+    """At world size 1, run the whole schedule anyway: every bucket goes through a real all-reduce
+    of the one rank, in the agreed order, within the credit window, with per-bucket updates and
+    forward overlap as among several ranks (see [Note: stream-ordered waits] in
+    commsched/device.py). For tests, and to check a setup on one GPU before scaling out; it costs
+    the collectives' launches. False: one rank sends nothing and updates each bucket at
+    ``step()``. No effect at two ranks or more."""
+
     def __repr__(self) -> str:
         """Only what differs from the default, as it would be written."""
         fields = []
@@ -98,10 +106,12 @@ class AllReduce:
             fields.append("reduce_scatter=True")
         if self.all_to_all_mb != "auto":
             fields.append(f"all_to_all_mb={self.all_to_all_mb!r}")
+        if self.schedule_one_rank:
+            fields.append("schedule_one_rank=True")
         return f"AllReduce({', '.join(fields)})"
 
     def __post_init__(self) -> None:
-        for name in ("shard_optimizer", "reduce_scatter"):
+        for name in ("shard_optimizer", "reduce_scatter", "schedule_one_rank"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"AllReduce.{name} must be True or False, got {value!r} ({type(value).__name__})")

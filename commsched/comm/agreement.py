@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
+from commsched.device import HostSeam, WorkOrder, runs_nccl
 from commsched.errors import wait_or_raise
 from commsched.strategy import _FLAT_FIELDS, Strategy
 
@@ -237,13 +238,16 @@ def broadcast_from_rank0(
 
 def broadcast_from(
     tensors: Iterable[torch.Tensor], source: int, group: dist.ProcessGroup, timeout_s: float | None = None,
-    cpu_group: dist.ProcessGroup | None = None,
+    cpu_group: dist.ProcessGroup | None = None, seam: HostSeam | None = None,
 ) -> None:
     """Overwrite ``tensors`` with group rank ``source``'s values, one collective per dtype and device.
 
     With ``timeout_s``, a peer that never joins raises `CommunicationTimeout`.
     CPU tensors go on ``cpu_group`` where given (the control group of a group
     without a CPU backend; see [Note: control messages] in commsched/comm/side_groups.py).
+    With ``seam`` (and ``timeout_s``), the copies of tensors on a GPU are queued after the
+    broadcast on the current stream, and the host does not wait (see [Note: stream-ordered
+    waits] in commsched/device.py).
     """
     if dist.get_world_size(group) == 1:
         return
@@ -255,10 +259,13 @@ def broadcast_from(
         flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
         on = cpu_group if cpu_group is not None and device.type == "cpu" else group
         work = dist.broadcast(flat, group=on, group_src=source, async_op=True)
+        what = f"the broadcast of {len(same_kind)} tensors from rank {source}"
         if timeout_s is None:
             work.wait()
+        elif seam is not None and device.type != "cpu":
+            seam.settle(WorkOrder(work, what, runs_nccl(on, device)), timeout_s, what)
         else:
-            wait_or_raise(work, timeout_s, f"the broadcast of {len(same_kind)} tensors from rank {source}")
+            wait_or_raise(work, timeout_s, what)
         if not is_source:
             with torch.no_grad():
                 for tensor, chunk in zip(same_kind, flat.split([t.numel() for t in same_kind])):

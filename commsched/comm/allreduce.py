@@ -20,6 +20,7 @@ from commsched.comm.powersgd import PowerSGDCompressor
 from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.reduce_scatter import BucketScattering
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
+from commsched.device import order_after_work, runs_nccl
 from commsched.errors import CommunicationTimeout, wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
@@ -44,6 +45,15 @@ class _WorkHandle:
         except CommunicationTimeout as error:
             self._transport.explain_failure(error)
             raise
+        self._finish()
+
+    def order(self) -> bool:
+        if not order_after_work(self._work, self._transport.on_nccl):
+            return False
+        self._finish()
+        return True
+
+    def _finish(self) -> None:
         if self._bucket.cast_on_wire:
             copy_back(self._bucket, self._partition.start, self._partition.end)
 
@@ -73,6 +83,12 @@ class _ScatterHandle:
             self._transport.explain_failure(error)
             raise
         self._scatter.finish()
+
+    def order(self) -> bool:
+        if not self._scatter.order(self._transport.on_nccl):
+            return False
+        self._scatter.finish()
+        return True
 
     def is_completed(self) -> bool:
         return self._scatter.is_completed()
@@ -112,6 +128,10 @@ class _StepsHandle:
         if self._bucket.cast_on_wire:
             copy_back(self._bucket, self._partition.start, self._partition.end)
 
+    def order(self) -> bool:
+        """Second steps are issued from the first's completion on the host: the host waits."""
+        return False
+
     def is_completed(self) -> bool:
         return self._reduction.is_completed()
 
@@ -130,18 +150,25 @@ class AllReduceTransport:
 
     def __init__(self, process_group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None,
                  reduce_scatter: bool = False, exchange_group: dist.ProcessGroup | None = None,
-                 all_to_all_mb: float | str | None = None, compression: PowerSGDCompressor | None = None):
+                 all_to_all_mb: float | str | None = None, compression: PowerSGDCompressor | None = None,
+                 schedule_one_rank: bool = False):
         """``reduce_dtype``: `commsched.Strategy.reduce_dtype`; ``reduce_scatter``:
         `commsched.AllReduce.reduce_scatter` (from ``scatter.start()`` on); ``exchange_group``: where
         the second steps of two-step all-reduces go, for `commsched.AllReduce.all_to_all_mb`
         (None: never in two steps; see ``two_steps``); ``compression``: `commsched.Strategy.compression`'s
-        state, whose second steps go on its own exchange group."""
+        state, whose second steps go on its own exchange group; ``schedule_one_rank``:
+        `commsched.AllReduce.schedule_one_rank`."""
         self.process_group = process_group
         self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.is_local = self.world_size == 1
-        self.scatter = BucketScattering(self.rank, self.world_size) if reduce_scatter and not self.is_local else None
+        self.is_local = self.world_size == 1 and not schedule_one_rank
+        self.on_nccl = False
+        """The buckets are on a GPU and the group runs NCCL there (set when they are attached)."""
+        self.completion_callbacks = True
+        """A handle's ``on_complete`` runs once the reduction is done (gloo); not on NCCL, whose
+        future completes as the collective is enqueued."""
+        self.scatter = BucketScattering(self.rank, self.world_size) if reduce_scatter and self.world_size > 1 else None
         """Set with ``reduce_scatter``: buckets laid out after its ``start()`` are reduce-scattered."""
         self._backend_name = str(dist.get_backend(process_group))
         self._two_steps = None if exchange_group is None or not all_to_all_mb else two_step.TwoStepRule(
@@ -149,8 +176,8 @@ class AllReduceTransport:
         """Set where partitions may go in two steps (see [Note: an all-reduce in two steps])."""
         self.two_steps = self._two_steps if self._two_steps is not None and self._two_steps.first_bucket_only else None
         self._first_bucket = -1
-        self._heartbeat = None if self.is_local else Heartbeat.of_group(process_group)
-        self.compression = None if self.is_local else compression
+        self._heartbeat = None if self.world_size == 1 else Heartbeat.of_group(process_group)
+        self.compression = None if self.world_size == 1 else compression
         """Set with `commsched.Strategy.compression` among two or more ranks."""
         if self.compression is not None:
             self.join_refusal = _join_refusal(self.compression)
@@ -158,11 +185,14 @@ class AllReduceTransport:
     def rewire(self, reduce_dtype: torch.dtype | None, compression: PowerSGDCompressor | None) -> None:
         """Before the layout is made (again): sum in ``reduce_dtype``, compress with ``compression``."""
         self.reduce_dtype = reduce_dtype
-        self.compression = None if self.is_local else compression
+        self.compression = None if self.world_size == 1 else compression
         self.join_refusal = None if self.compression is None else _join_refusal(self.compression)
 
     def attach(self, bucket_set: BucketSet, partition_bytes: int | None) -> list[Partition]:
         buckets = bucket_set.buckets
+        if buckets:
+            self.on_nccl = runs_nccl(self.process_group, buckets[0].flat.device)
+            self.completion_callbacks = not self.on_nccl
         if not self.is_local:  # one replica: nothing is summed
             for bucket in buckets:
                 bucket.reduce_in(wire_dtype(bucket.dtype, self.reduce_dtype))
@@ -190,10 +220,11 @@ class AllReduceTransport:
         return partitions
 
     def bucket_ready(self, bucket: Bucket) -> None:
-        if self.world_size == 1:
+        if self.is_local:
             return
         if not bucket.cast_on_wire:  # the wire is the gradients: averaged in place
-            bucket.flat[:bucket.grad_numel].div_(self.world_size)
+            if self.world_size > 1:
+                bucket.flat[:bucket.grad_numel].div_(self.world_size)
         else:
             average_onto_wire(bucket, self.world_size)
 
@@ -237,8 +268,9 @@ class AllReduceTransport:
         scattered = ", reduce-scatter of every bucket but the first" if self.scatter and self.scatter.active else ""
         two_steps = f"; {self._two_steps.why}" if self._two_steps is not None and self._two_steps.why else ""
         compressed = "" if self.compression is None else f", {self.compression.describe()}"
+        scheduled = ", the whole schedule at one rank" if self.world_size == 1 and not self.is_local else ""
         return TransportStatus(f"all-reduce over {ranks} ({self._backend_name}{reduce_dtype}{scattered}{compressed}"
-                               f"{two_steps})",
+                               f"{scheduled}{two_steps})",
                                two_step_max_bytes=None if self._two_steps is None else self._two_steps.max_bytes)
 
     def finish(self) -> None:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.comm.reduce_dtype import copy_back
+from commsched.device import order_after_work
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
@@ -170,6 +171,12 @@ class Scatter:
         work = self._work
         if work is not None:
             wait_or_raise(work, timeout_s, what)
+
+    def order(self, on_nccl: bool) -> bool:
+        """The current stream waits for the work, the host does not (see [Note: ordering after a
+        work] in commsched/device.py); False where it cannot, and nothing was done."""
+        work = self._work
+        return work is None or order_after_work(work, on_nccl)
 
     def is_completed(self) -> bool:
         work = self._work

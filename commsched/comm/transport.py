@@ -27,11 +27,17 @@ class Handle(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Block until done; raise `CommunicationTimeout` after ``timeout_s``."""
 
+    def order(self) -> bool:
+        """Make the current stream wait for the operation without blocking the host, and queue
+        what follows it there; False where the backend cannot (the host then waits). Called only
+        for tensors on a device with streams (see [Note: stream-ordered waits] in commsched/device.py)."""
+
     def is_completed(self) -> bool:
         """True once the operation has finished (without blocking)."""
 
     def on_complete(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on any thread) once the operation has finished."""
+        """Call ``callback`` (on any thread) once the operation has finished, or, where the
+        transport's ``completion_callbacks`` is False, once it was enqueued."""
 
 
 class CompletedHandle:
@@ -39,6 +45,9 @@ class CompletedHandle:
 
     def wait(self, timeout_s: float) -> None:
         return None
+
+    def order(self) -> bool:
+        return True
 
     def is_completed(self) -> bool:
         return True
@@ -101,6 +110,11 @@ class Transport(Protocol):
 
     is_local: bool
     """True when nothing goes on the wire (a single replica)."""
+
+    completion_callbacks: bool
+    """True when a handle's ``on_complete`` runs once the operation is done (gloo, parameter
+    servers); False where it runs when the operation is enqueued (NCCL), so that only
+    ``is_completed()`` tells (credit then returns at the dispatch points: the gradient hooks)."""
 
     join_refusal: str | None
     """Why a rank out of batches cannot shadow the others' iterations under torch's ``Join``

@@ -33,6 +33,7 @@ a bucket already issued (a pattern first seen later) is an error that says so.
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -41,10 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from commsched.comm.transport import Handle, Transport
+from commsched.device import HostSeam
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
 from commsched.engine.events import EventBus, phase
-from commsched.engine.finite import FiniteCheck, flag_nonfinite
+from commsched.engine.finite import FiniteCheck, UnreportedVerdict, flag_nonfinite
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -67,6 +69,10 @@ class IterationFigures:
     ``synchronize()``): communication that was not hidden."""
     update_s: float = 0.0
     """Time spent updating buckets."""
+    host_waits: int | None = None
+    """On a GPU, the waits and reads of the host on the device from this pass's start to the
+    next's (see [Note: stream-ordered waits] in commsched/device.py); None on the CPU or while
+    the pass runs."""
 
 
 class BackwardPass:
@@ -85,20 +91,29 @@ class BackwardPass:
         overlapping: bool,
         held_buckets: frozenset[int] | None = None,
         finite_check: FiniteCheck | None = None,
+        seam: HostSeam | None = None,
     ):
-        """``finite_check``: `Strategy.check_finite` (see [Note: non-finite gradients])."""
+        """``finite_check``: `Strategy.check_finite` (see [Note: non-finite gradients]); ``seam``:
+        how waits order the device's work (see [Note: stream-ordered waits] in commsched/device.py)."""
         self.iteration = iteration
         self.overlapping = overlapping
         """Forward overlap is on for this pass: ``step()`` releases the updates to the gates."""
         self._layout, self._transport, self._policy, self._events = layout, transport, policy, events
         self._timeout_s = timeout_s
         self._finite = finite_check
+        self._verdict: UnreportedVerdict | None = None
+        """The finite check's verdict, once asked to report it (the same object each time)."""
+        self._seam = HostSeam() if seam is None else seam
+        self._host_waits_at_start = self._seam.host_waits
         num_buckets, num_slots = len(layout.buckets), len(layout.params)
         self._pending = list(layout.bucket_param_counts)
         self._ready = [False] * num_slots
         self.has_grad = [False] * num_slots
         """Per slot: whether this rank produced (or was given) a gradient in this pass."""
         self._handles: list[list[Handle]] = [[] for _ in range(num_buckets)]
+        self._ready_marks: list[object] = [None] * num_buckets
+        """Per bucket, on a device with streams: where its gradients are final (averaged, flags
+        written), which a launch from another thread's stream must come after."""
         self._launch_versions = [0] * num_buckets
         self._reduced = [False] * num_buckets
         self._updated = [False] * num_buckets
@@ -142,8 +157,13 @@ class BackwardPass:
         self.repeated_slots: set[int] = set()
         """Slots whose gradient was accumulated twice in this pass (a nested backward pass)."""
         self._dispatcher = Dispatcher(
-            plan, self._launch, tracker, credit_from_completions=plan.credit_bytes is not None and not transport.is_local
+            plan, self._launch, tracker,
+            credit_from_completions=plan.credit_bytes is not None and not transport.is_local
+            and transport.completion_callbacks,
+            seen_complete=None if transport.completion_callbacks else self._seen_complete,
         )
+        self._polled = not transport.completion_callbacks
+        """A gate asks the dispatcher which partitions are complete: no callback tells it (NCCL)."""
 
     # ---------------------------------------------------------------- backward
     @property
@@ -191,14 +211,25 @@ class BackwardPass:
             usage.copy_(_host_tensor(self.has_grad, usage), non_blocking=True)
             if self._finite is not None:
                 self._finite.write_slots(bucket.tail[len(self.has_grad):])
+        seam = self._seam
+        if seam.orders_streams:
+            self._ready_marks[index] = seam.mark()
+            seam.check()
         self._launch_versions[index] = bucket.flat._version
         if self._events.observed:
             self._events.bucket_ready(index)
         self._dispatcher.bucket_ready(index)
 
     def _launch(self, partition: Partition) -> Handle:
-        """Called by the dispatcher, on the training thread or a communication thread."""
+        """Called by the dispatcher, on the training thread or a communication thread.
+
+        On a device with streams, the launching thread's stream first waits for the bucket's
+        gradients: a completion callback runs on another stream than the backward pass's, and
+        the collective would read the bucket before its gradients and ``div_`` ran there."""
         bucket = partition.bucket
+        mark = self._ready_marks[bucket]
+        if mark is not None:
+            self._seam.order_after(mark)
         handle = self._transport.launch(partition, self._layout.buckets[bucket], self.has_grad)
         self._handles[bucket].append(handle)
         figures = self.figures
@@ -207,6 +238,11 @@ class BackwardPass:
         if self._events.observed:
             self._events.partition_issued(partition, handle)
         return handle
+
+    def _seen_complete(self, partition: Partition, handle: Handle) -> None:
+        """Where completions have no callback: the dispatcher found ``partition`` complete."""
+        if self._events.observed:
+            self._events.partition_completed(partition, handle)
 
     def _resolve_unready_parameters(self, without_gradients: bool) -> None:
         layout = self._layout
@@ -233,6 +269,8 @@ class BackwardPass:
     # -------------------------------------------------------------- completion
     def complete_buckets(self, buckets: Sequence[int]) -> None:
         """Wait for these buckets' reductions; update those ``step()`` released."""
+        if self._polled:
+            self._dispatcher.poll()
         if self._update_order is not None and self.hyperparameters is not None:
             self._complete_in_order(buckets)
             return
@@ -377,9 +415,11 @@ class BackwardPass:
 
     def _wait_reduced(self, bucket: int) -> None:
         started = time.perf_counter()
+        seam, timeout_s = self._seam, self._timeout_s
+        what = _reduction_of(bucket)
         with phase("commsched::reduce_wait"):
             for handle in self._handles[bucket]:
-                handle.wait(self._timeout_s)
+                seam.settle(handle, timeout_s, what)
         self._reduced[bucket] = True
         finished = time.perf_counter()
         self.figures.exposed_wait_s += finished - started
@@ -402,6 +442,7 @@ class BackwardPass:
             # The servers were told with each push; this rank keeps its own grad=None.
             self._unowned_slots = []
             return
+        self._seam.host_read()
         used_by_some_rank = tail.tolist()
         unused = []
         for slot in self._unowned_slots:
@@ -425,7 +466,10 @@ class BackwardPass:
     def skipped_as_nonfinite(self) -> bool:
         """`Strategy.check_finite` found inf or NaN on some rank, and no ``GradScaler`` rules (a host read)."""
         verdict = self.update_scaling
-        return self._finite is not None and self._scaling is None and verdict is not None and verdict.skipped
+        if self._finite is None or self._scaling is not None or verdict is None:
+            return False
+        self._seam.host_read()
+        return verdict.skipped
 
     def gradients_hold_nonfinite(self) -> bool:
         """Whether some ``param.grad`` holds inf or NaN now (a ``step()`` again on the same gradients),
@@ -438,6 +482,7 @@ class BackwardPass:
         for (device, _), grads in groups.items():  # the kernel takes one device and dtype at a time
             found = torch.zeros(1, device=device)
             flag_nonfinite(grads, found, torch.ones(1, device=device))
+            self._seam.host_read()
             if found.item():
                 return True
         return False
@@ -475,7 +520,10 @@ class BackwardPass:
             slot = layout.bucket_slots[index][bisect.bisect_right(bucket.offsets, element) - 1]
             if layout.params[slot].grad is layout.views[slot]:
                 probes.append(bucket.flat[element])
-        return bool(probes) and bool(torch.stack(probes).isnan().any())
+        if not probes:
+            return False
+        self._seam.host_read()
+        return bool(torch.stack(probes).isnan().any())
 
     def _averaged_part(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
         """``grad``, slot ``slot``'s gradient; where it is the view into a reduce-scattered bucket, only
@@ -491,14 +539,17 @@ class BackwardPass:
         low, high = max(low, offset), min(high, offset + grad.numel())
         return bucket.flat[low:high] if low < high else None
 
-    def report_nonfinite(self, block: bool) -> None:
+    def report_nonfinite(self, block: bool) -> UnreportedVerdict | None:
         """With `Strategy.check_finite`: raise or warn if some rank's gradients held inf or NaN.
 
         Nothing under a ``GradScaler``, whose own verdict rules. ``block``: on a GPU, wait
-        for the verdict to reach the host (else, if it has not yet, tell later)."""
-        if self._finite is not None and self._scaling is None and self._flags_settled:
-            layout = self._layout
-            self._finite.report(lambda b: [layout.names[slot] for slot in layout.bucket_slots[b]], block)
+        for the verdict to reach the host; else, if it has not yet, it is returned, to be told
+        later (`UnreportedVerdict`)."""
+        if self._finite is None or self._scaling is not None or not self._flags_settled:
+            return None
+        if self._verdict is None:
+            self._verdict = UnreportedVerdict(self._finite, self._layout.names, self._layout.bucket_slots)
+        return None if self._verdict.report(block) else self._verdict
 
     # -------------------------------------------------------------------- step
     @property
@@ -564,8 +615,19 @@ class BackwardPass:
 
     def drop_handles(self) -> None:
         """Let go of every operation: once the pass is over, or at exit (see [Note: process groups at exit])."""
+        seam = self._seam
+        if seam.orders_streams:
+            self.figures.host_waits = seam.host_waits - self._host_waits_at_start
+            # Their buffers stay until the device has run what was queued so far (FSDP2's way: no record_stream).
+            seam.hold(seam.mark(), self._handles)
         self._handles = [[] for _ in self._handles]
         self._dispatcher.forget_in_flight()
+
+
+@functools.cache
+def _reduction_of(bucket: int) -> str:
+    """What a wait for ``bucket``'s reduction waits for, in a timeout's message (made once per bucket)."""
+    return f"the reduction of gradient bucket {bucket}"
 
 
 def _host_tensor(values: Sequence[bool], like: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commsched.comm.agreement import broadcast_from, broadcast_from_rank0, highest_rank_still_training
+from commsched.comm.agreement import broadcast_from, highest_rank_still_training
+from commsched.device import HostSeam
 from commsched.engine.groups import ProcessGroups
 
 
@@ -32,10 +33,13 @@ class BufferBroadcast:
     """The buffers of ``modules`` made equal on every rank, when torch DDP would make them so."""
 
     def __init__(self, modules: Callable[[], Sequence[torch.nn.Module]], groups: ProcessGroups, timeout_s: float,
-                 enabled: bool):
+                 enabled: bool, seam: HostSeam):
         """``modules``: the model's modules now (one may be added after ``prepare()``);
-        ``enabled``: ``Strategy.broadcast_buffers`` with more than one replica."""
+        ``enabled``: ``Strategy.broadcast_buffers`` with more than one replica; ``seam``: on a GPU,
+        the broadcast orders the stream, the host goes on ([Note: stream-ordered waits] in
+        commsched/device.py)."""
         self._modules, self._groups, self._timeout_s, self._enabled = modules, groups, timeout_s, enabled
+        self._seam = seam
         self._due = True
         """DDP's ``require_forward_param_sync``: the last forward pass with gradients was synchronised."""
 
@@ -66,7 +70,8 @@ class BufferBroadcast:
             return
         group, timeout_s = self._groups.buffers, self._timeout_s
         if under_join:
+            self._seam.host_read()  # the source is chosen on the host
             source = highest_rank_still_training(training, group, timeout_s, buffers[0].device)
-            broadcast_from(buffers, source, group, timeout_s)
+            broadcast_from(buffers, source, group, timeout_s, seam=self._seam)
         else:
-            broadcast_from_rank0(buffers, group, timeout_s)
+            broadcast_from(buffers, 0, group, timeout_s, seam=self._seam)

@@ -74,15 +74,12 @@ class PlanExecutor:
         launch: Callable[[Partition], object],
         is_completed: Callable[[object], bool],
         ignore_credit: bool = False,
+        seen_complete: Callable[[Partition, object], None] | None = None,
     ) -> None:
-        """Issue every partition the plan, readiness and the window allow now."""
+        """Issue every partition the plan, readiness and the window allow now (``seen_complete``:
+        told of each partition found complete here)."""
+        self.prune(is_completed, seen_complete)
         in_flight = self._in_flight
-        # Any that completed leaves, not only from the front: gloo's threads finish side by side.
-        still = [(pid, handle) for pid, handle in in_flight if not is_completed(handle)]
-        if len(still) < len(in_flight):
-            in_flight.clear()
-            in_flight.extend(still)
-            self._in_flight_bytes = sum(self.partitions[pid].nbytes for pid, _ in still)
         plan, partitions, credit = self.plan, self.partitions, self.credit_bytes
         while self._next < len(plan):
             p = partitions[plan[self._next]]
@@ -98,6 +95,22 @@ class PlanExecutor:
             self._in_flight_bytes += p.nbytes
             self._next += 1
 
+    def prune(self, is_completed: Callable[[object], bool],
+              seen_complete: Callable[[Partition, object], None] | None = None) -> None:
+        """Partitions that completed leave the window, not only from the front: gloo's threads
+        finish side by side."""
+        in_flight = self._in_flight
+        still = []
+        for pid, handle in in_flight:
+            if not is_completed(handle):
+                still.append((pid, handle))
+            elif seen_complete is not None:
+                seen_complete(self.partitions[pid], handle)
+        if len(still) < len(in_flight):
+            in_flight.clear()
+            in_flight.extend(still)
+            self._in_flight_bytes = sum(self.partitions[pid].nbytes for pid, _ in still)
+
 
 class Dispatcher:
     """Issues one backward pass's partitions: in plan order, when ready, within credit."""
@@ -108,11 +121,16 @@ class Dispatcher:
         launch: Callable[[Partition], Handle],
         tracker: CallbackTracker,
         credit_from_completions: bool,
+        seen_complete: Callable[[Partition, Handle], None] | None = None,
     ):
+        """``credit_from_completions``: a completion's callback returns its credit (gloo); else
+        only ``is_completed()``, asked at each event, does (NCCL, whose future completes when the
+        collective is enqueued); ``seen_complete``: then told of each partition found complete."""
         self._executor = PlanExecutor(plan)
         self._launch = launch
         self._tracker = tracker
         self._credit_from_completions = credit_from_completions
+        self._seen_complete = None if credit_from_completions else seen_complete
         self._lock = threading.Lock()
         self._issuing_thread: int | None = None
         self._error: Exception | None = None
@@ -124,6 +142,13 @@ class Dispatcher:
         with self._issuing():
             self._executor.mark_ready(bucket)
             self._pump(_is_completed)
+
+    def poll(self) -> None:
+        """Where completions have no callback (NCCL): find the partitions complete by now, at a
+        point the training thread passes anyway (a gate)."""
+        if self._seen_complete is not None:
+            with self._lock:
+                self._executor.prune(_is_completed, self._seen_complete)
 
     def end_backward(self) -> None:
         """The backward pass is over: completions no longer issue (everything left goes now)."""
@@ -154,7 +179,7 @@ class Dispatcher:
         """The executor's pump, again while partitions completed inside it: a partition done
         before its callback was attached runs that callback at once, inside this pump, which
         would otherwise keep its credit until the next event."""
-        self._executor.pump(self._issue, is_completed, ignore_credit)
+        self._executor.pump(self._issue, is_completed, ignore_credit, self._seen_complete)
         while self._completed_inline:
             done, self._completed_inline = self._completed_inline, []
 

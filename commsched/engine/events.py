@@ -51,6 +51,10 @@ class Observer:
     def partition_issued(self, partition: Partition, handle: Handle) -> None:
         """``partition`` went on the wire; ``handle`` completes when it has arrived."""
 
+    def partition_completed(self, partition: Partition, handle: Handle) -> None:
+        """Where completions have no callback (NCCL): ``partition`` was found complete now, at a
+        gradient hook or a gate (its ``handle``, as issued)."""
+
     def backward_finished(self) -> None:
         """Every partition is issued (without forward overlap, every reduction has completed)."""
 
@@ -110,6 +114,10 @@ class EventBus(Observer):
     def partition_issued(self, partition: Partition, handle: Handle) -> None:
         for observer in self._observers:
             observer.partition_issued(partition, handle)
+
+    def partition_completed(self, partition: Partition, handle: Handle) -> None:
+        for observer in self._observers:
+            observer.partition_completed(partition, handle)
 
     def backward_finished(self) -> None:
         for observer in self._observers:

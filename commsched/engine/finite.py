@@ -21,7 +21,7 @@ rules: infs are how it finds its scale.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -82,16 +82,18 @@ class FiniteCheck:
         ready.record()
         self._pending = (ready, host_slots, host_own)
 
-    def report(self, bucket_names: Callable[[int], list[str]], block: bool) -> None:
+    def report(self, bucket_names: Callable[[int], list[str]], block: bool) -> bool:
         """Raise or warn, once, if some rank found one; ``block``: wait for a GPU's verdict.
 
         ``bucket_names(b)``: the parameters of bucket ``b``, to name those this rank found.
+        Returns False where the verdict has not reached the host yet and ``block`` is False
+        (nothing told: ask again later).
         """
         if self._pending is not None:
             ready, host_slots, host_own = self._pending
             if not ready.query():
                 if not block:
-                    return
+                    return False
                 ready.synchronize()
             self._pending = None
             flagged = [b for b, found in zip(self._checked, host_own.tolist(), strict=True) if found]
@@ -99,10 +101,11 @@ class FiniteCheck:
                 host_slots.tolist(), lambda: [n for b in flagged for n in bucket_names(b)], whose="this rank's")
         message, self._message = self._message, None
         if message is None:
-            return
+            return True
         if self.mode == "raise":
             raise NonFiniteGradients(message)
         logger.warning("commsched: %s", message)
+        return True
 
     def _explain(self, slots: list[float], names: Callable[[], list[str]], whose: str = "the averaged") -> str | None:
         ranks = [r for r, found in enumerate(slots) if found > 0]
@@ -119,6 +122,20 @@ class FiniteCheck:
             f"{then}. Look for a division by zero, a log of zero or an overflow in that rank's loss or data; "
             "with float16, use torch.amp.GradScaler."
         )
+
+
+class UnreportedVerdict:
+    """A pass's `FiniteCheck` whose verdict may still be on its way from a GPU: the host does not
+    wait for it inside an iteration, but tells it at the first backward pass or ``step()`` (where
+    it reports) that finds it arrived."""
+
+    def __init__(self, check: FiniteCheck, names: Sequence[str], bucket_slots: Sequence[Sequence[int]]):
+        self._check, self._names, self._bucket_slots = check, names, bucket_slots
+
+    def report(self, block: bool) -> bool:
+        """As `FiniteCheck.report`: True once told (or nothing to tell)."""
+        names, bucket_slots = self._names, self._bucket_slots
+        return self._check.report(lambda b: [names[slot] for slot in bucket_slots[b]], block)
 
 
 def flag_nonfinite(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:

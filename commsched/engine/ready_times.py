@@ -4,14 +4,18 @@ and how fast partitions reduced while training; what the cost model and the plan
 from __future__ import annotations
 
 import statistics
-import time
+from typing import Any
 
 from commsched.comm.transport import Handle
+from commsched.device import HostSeam
 from commsched.engine.events import Observer
 from commsched.engine.lifecycle import WARMUP_ITERATIONS
 from commsched.layout.partitions import Partition
 from commsched.planning.plans import WarmupTimeline, wire_bytes_per_s
 from commsched.planning.schedule import LinkModel
+
+Seconds = tuple[list[list[float]], list[float], list[tuple[list[tuple[float, int]], float]]]
+"""A profile's stamps in seconds: per iteration each slot's ready time, the forward passes, the transfers."""
 
 
 class ReadyTimeProfile(Observer):
@@ -25,55 +29,83 @@ class ReadyTimeProfile(Observer):
     load of training (computation competing with communication for the same
     cores): see `loaded_bytes_per_s`. Per parameter, not per bucket, so the
     timeline holds for any bucket layout the cost model considers.
+
+    Times are taken by ``clock``: on a GPU, events on the stream (the host
+    launches a gradient's kernels long before the device has computed it, and
+    learns of a reduction's end only when it waits), read once, when the
+    profile is first asked for its figures at the end of warm-up.
     """
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, clock: HostSeam | None = None):
         self._num_slots = num_slots
-        self._ready: list[list[float]] = []
-        self._forward: list[float] = []
-        self._transfers: list[tuple[list[tuple[float, int]], float]] = []
-        """Per iteration: (when each partition was issued, its bytes), and when all had completed."""
+        self._clock = HostSeam() if clock is None else clock
+        self._ready: list[tuple[Any, list[Any]]] = []
+        """Per iteration: its start, and when each slot's gradient was ready (None: it was not)."""
+        self._forward: list[tuple[Any, Any]] = []
+        """Per iteration: when its forward pass and its backward pass started."""
+        self._transfers: list[tuple[Any, list[tuple[Any, int]], Any]] = []
+        """Per iteration: its start, (when each partition was issued, its bytes), and when all had completed."""
         self._recording = False
-        self._current: list[float] = []
-        self._issued: list[tuple[float, int]] = []
-        self._start = self._forward_start = 0.0
+        self._current: list[Any] = []
+        self._issued: list[tuple[Any, int]] = []
+        self._start: Any = None
+        self._forward_start: Any = None
+        self._seconds: Seconds | None = None
+        """The stamps as seconds, once asked for."""
 
     def forward_started(self) -> None:
-        self._forward_start = time.perf_counter()
+        self._forward_start = self._clock.stamp()
 
     def iteration_started(self, iteration: int) -> None:
         self._recording = 0 < iteration < WARMUP_ITERATIONS
         if self._recording:
-            self._start = time.perf_counter()
-            if self._forward_start:
-                self._forward.append(self._start - self._forward_start)
-            self._current = [0.0] * self._num_slots
+            self._start = self._clock.stamp()
+            if self._forward_start is not None:
+                self._forward.append((self._forward_start, self._start))
+                self._seconds = None
+            self._current = [None] * self._num_slots
             self._issued = []
 
     def gradient_ready(self, slot: int) -> None:
         if self._recording:
-            self._current[slot] = time.perf_counter() - self._start
+            self._current[slot] = self._clock.stamp()
 
     def partition_issued(self, partition: Partition, handle: Handle) -> None:
         if self._recording:
-            self._issued.append((time.perf_counter() - self._start, partition.nbytes))
+            self._issued.append((self._clock.stamp(), partition.nbytes))
 
     def backward_finished(self) -> None:
-        """During warm-up, every reduction of the iteration has completed by now."""
+        """During warm-up, every reduction of the iteration has completed by now (on a GPU: the
+        stream is ordered after them)."""
         if not self._recording:
             return
         self._recording = False
-        self._ready.append(self._current)
+        self._seconds = None
+        self._ready.append((self._start, self._current))
         if self._issued:
-            self._transfers.append((self._issued, time.perf_counter() - self._start))
+            self._transfers.append((self._start, self._issued, self._clock.stamp()))
+
+    def _in_seconds(self) -> Seconds:
+        """Every stamp as seconds from its iteration's start (read once: on a GPU, a wait for the events)."""
+        if self._seconds is None:
+            since = self._clock.seconds_between
+            ready = [[0.0 if stamp is None else since(start, stamp) for stamp in stamps]
+                     for start, stamps in self._ready]
+            forward = [since(began, start) for began, start in self._forward]
+            transfers = [([(since(start, at), nbytes) for at, nbytes in issued], since(start, done))
+                         for start, issued, done in self._transfers]
+            self._seconds = (ready, forward, transfers)
+        return self._seconds
 
     def median_slot_ready_s(self) -> list[float]:
-        if not self._ready:
+        ready = self._in_seconds()[0]
+        if not ready:
             return [0.0] * self._num_slots
-        return [statistics.median(column) for column in zip(*self._ready)]
+        return [statistics.median(column) for column in zip(*ready)]
 
     def median_forward_s(self) -> float:
-        return statistics.median(self._forward) if self._forward else 0.0
+        forward = self._in_seconds()[1]
+        return statistics.median(forward) if forward else 0.0
 
     def loaded_bytes_per_s(self, latency_s: float, idle_link: LinkModel | None = None) -> float | None:
         """The link's bandwidth while training, median over the iterations that bound it.
@@ -90,7 +122,8 @@ class ReadyTimeProfile(Observer):
         bytes to tell its speed (judged at ``idle_link``'s, where measured).
         """
         idle_bytes_per_s = None if idle_link is None else idle_link.bytes_per_s
-        fitted = [wire_bytes_per_s(issued, done_s, latency_s, idle_bytes_per_s) for issued, done_s in self._transfers]
+        fitted = [wire_bytes_per_s(issued, done_s, latency_s, idle_bytes_per_s)
+                  for issued, done_s in self._in_seconds()[2]]
         bounded = [b for b in fitted if b is not None]
         return statistics.median(bounded) if bounded else None
 

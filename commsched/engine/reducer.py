@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
 from commsched.comm.transport import Transport
+from commsched.device import HostSeam
 from commsched.engine.backward_pass import BackwardPass, IterationFigures
 from commsched.engine.buffers import BufferBroadcast
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.config import RunConfig
 from commsched.engine.events import EventBus, phase
-from commsched.engine.finite import FiniteCheck
+from commsched.engine.finite import FiniteCheck, UnreportedVerdict
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
@@ -79,10 +80,15 @@ class GradientReducer:
         policy: UpdatePolicy,
         groups: ProcessGroups,
         awaiting_optimizer: bool = False,
+        seam: HostSeam | None = None,
     ):
         """``awaiting_optimizer``: no optimizer yet, one may be adopted at its first ``step()``
-        (see [Note: an adopted optimizer] in `commsched.engine.overlap`)."""
+        (see [Note: an adopted optimizer] in `commsched.engine.overlap`); ``seam``: how waits order
+        the gradients' device (see [Note: stream-ordered waits] in commsched/device.py)."""
         self.module, self.transport, self.policy, self.groups = module, transport, policy, groups
+        self.seam = HostSeam() if seam is None else seam
+        self._unreported: list[UnreportedVerdict] = []
+        """`Strategy.check_finite` verdicts still on their way from a GPU, oldest first."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -105,25 +111,27 @@ class GradientReducer:
         self._tracker = CallbackTracker()
         if config.trace_dir is not None:
             self._events.subscribe(
-                Tracer(config.trace_dir, dist.get_rank(groups.replicas), module, self.params, self._tracker)
+                Tracer(config.trace_dir, dist.get_rank(groups.replicas), module, self.params, self._tracker,
+                       lambda: transport.completion_callbacks)
             )
         self.gating = ForwardGating(module, self.params, self.names, self.wait_for_buckets)
         self.overlap = ForwardOverlap(config.overlap_requested, policy, transport.is_local, awaiting_optimizer,
                                       self.gating.remove_gates)
         self.layouts = LayoutInUse(self.names, self.params, config, transport, policy, groups, self.gating,
                                    self.overlap, self._events)
-        self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build)
+        self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build,
+                                            self.seam)
         """Until warm-up is over and the reads it watched are no longer watched."""
         self.hooks = ModelHooks(module, self.params, self)
         self.buffers = BufferBroadcast(lambda: self._fingerprint.modules, groups, config.timeout_s,
-                                       config.broadcast_buffers and transport.world_size > 1)
+                                       config.broadcast_buffers and transport.world_size > 1, self.seam)
         self.uneven_inputs = UnevenInputs(module, groups, self.params[0], config.timeout_s,
                                           lambda: transport.join_refusal or policy.join_refusal,
                                           config.overlap_requested)
         self._joined_steps = JoinedSteps(None if policy.sharded is None else policy.sharded.step_records,
                                          self.uneven_inputs)
         self.shutdown = Shutdown(transport, self._tracker, self._events, groups, lambda: self.current,
-                                 self._finish_in_flight)
+                                 self._finish_in_flight, self.seam)
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
             self._build(list(range(len(self.params))), {})
@@ -219,11 +227,10 @@ class GradientReducer:
         if synchronised:
             self.policy.before_backward(self.current is not None and not self.current.stepped)
         # The previous iteration's reductions write into the buffers we are about to fill.
-        self.synchronize()
+        self._complete_pass()
         if self.current is not None and self.current.gradients_left_scattered():
             raise scattered_gradients_left_error()
-        if self.current is not None:
-            self.current.report_nonfinite(block=True)
+        self._report_nonfinite(self.current)
         if self.layout is None:
             self._build(list(range(len(self.params))), {})
         self._phase = Phase.BACKWARD if synchronised else Phase.ACCUMULATING
@@ -259,7 +266,7 @@ class GradientReducer:
         self.current = BackwardPass(
             iteration, self.layout, self.plan, self.transport, self.policy, self._events, self._tracker,
             self.config.timeout_s, overlapping=self.lifecycle is Lifecycle.OVERLAPPING,
-            held_buckets=self.layouts.held_buckets(), finite_check=finite_check,
+            held_buckets=self.layouts.held_buckets(), finite_check=finite_check, seam=self.seam,
         )
         self.current.views_handed = self._views_ahead.taken()
         if self._events.observed:
@@ -366,6 +373,8 @@ class GradientReducer:
     def wait_for_buckets(self, buckets: Sequence[int]) -> None:
         """A forward gate: this module's own buckets must be updated first."""
         current = self.current
+        if self.seam.orders_streams:
+            self.seam.check()  # a collective ordered long ago and still running: a stalled peer
         if current is not None and current.outstanding:
             with failures_explained(self.transport.explain_failure):  # sharded state's all-gathers too
                 current.complete_buckets(buckets)
@@ -412,8 +421,10 @@ class GradientReducer:
         if self._end_deferred:
             self._end_backward()
 
-    def synchronize(self) -> None:
-        """Block until every launched reduction is done, and every released update."""
+    def _complete_pass(self) -> None:
+        """Every launched reduction and released update is done: on the CPU the host waits; on a
+        GPU they are ordered before whatever the stream runs next (see [Note: stream-ordered
+        waits] in commsched/device.py)."""
         self._end_deferred_backward()
         if self._phase is not Phase.IDLE:
             raise synchronize_during_backward_error()
@@ -423,13 +434,33 @@ class GradientReducer:
                 current.complete_all()
             current.synchronized()  # gradients are final: changing them before step() is legitimate
 
+    def synchronize(self) -> None:
+        """Block until every launched reduction is done, and every released update, on the host too:
+        for what reads results there (state dicts, copies, release)."""
+        self._complete_pass()
+        with failures_explained(self.transport.explain_failure):
+            self.seam.wait_all(self.config.timeout_s)
+
     def synchronize_for_user(self) -> None:
-        """``optimizer.synchronize()``: as `synchronize`, and noted on the pass. A loop that calls
-        it before changing gradients in place (clipping) keeps forward overlap, since it will call
-        it every time; another optimizer may step after it (see [Note: foreign optimizers])."""
-        self.synchronize()
+        """``optimizer.synchronize()``: as `synchronize`, and noted on the pass; on a GPU the stream
+        is ordered after the reductions and the host goes on, as after torch DDP's backward pass
+        (a loop that clips gradients calls it every iteration). A loop that calls it before
+        changing gradients in place (clipping) keeps forward overlap, since it will call it every
+        time; another optimizer may step after it (see [Note: foreign optimizers])."""
+        self._complete_pass()
         if self.current is not None:
             self.current.synchronized(by_user=True)
+
+    def _report_nonfinite(self, latest: BackwardPass | None) -> None:
+        """With `Strategy.check_finite`: tell what earlier passes and ``latest`` found. On a GPU,
+        only the verdicts that have reached the host: the host does not wait for them."""
+        block = not self.seam.orders_streams
+        if latest is not None:
+            verdict = latest.report_nonfinite(block)
+            if verdict is not None and verdict not in self._unreported:
+                self._unreported.append(verdict)
+        while self._unreported and self._unreported[0].report(block):
+            self._unreported.pop(0)
 
     def state_loaded(self) -> None:
         """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""
@@ -486,7 +517,7 @@ class GradientReducer:
         None), so the optimizer's own step does, once this pass is finished."""
         if self._joined_steps.needed and self.uneven_inputs.enabled:
             raise RuntimeError(STEP_WITHOUT_BACKWARD_UNDER_JOIN)
-        self.synchronize()
+        self._complete_pass()
         if not (self.config.check_finite and scaling is None and current.gradients_hold_nonfinite()):
             self.policy.step_on_current_gradients(optimizer_step, again=current.stepped)
         current.stepped_whole()
@@ -496,12 +527,12 @@ class GradientReducer:
         """A policy without per-bucket updates: torch.optim's step, on every gradient averaged."""
         if current is not None:
             current.scaled_by(scaling)
-        self.synchronize()
+        self._complete_pass()
         if current is None or not current.skipped_as_nonfinite:
             optimizer_step()
         if current is not None:
             current.stepped_whole()
-            current.report_nonfinite(block=True)
+            self._report_nonfinite(current)
 
     def _step_per_bucket(self, current: BackwardPass, scaling: GradScaling | None) -> None:
         """Check the step can be right, then release the pass's updates with this moment's
@@ -527,14 +558,14 @@ class GradientReducer:
                           else GRADIENTS_CHANGED_REASON if changed_unsynchronized else None)
                 if reason is not None:
                     self.overlap.block(reason)
-            self.synchronize()
-            current.report_nonfinite(block=True)
+            self._complete_pass()
+            self._report_nonfinite(current)
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         self._end_deferred_backward()
         if not set_to_none:
-            # Zeroing in place would race with reductions still in flight.
-            self.synchronize()
+            # Zeroing in place would race with reductions still in flight (on a GPU: is queued after them).
+            self._complete_pass()
         if self.current is not None:
             # Set to None, gradients still being settled must not reappear as .grad afterwards.
             self.current.zero_grad(set_to_none)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from commsched.comm.side_groups import forget_destroyed, forget_side_groups
 from commsched.comm.transport import Transport
+from commsched.device import HostSeam
 from commsched.engine.backward_pass import BackwardPass
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.events import Observer
@@ -41,12 +42,14 @@ class Shutdown:
         groups: ProcessGroups,
         last_pass: Callable[[], BackwardPass | None],
         finish_in_flight: Callable[[], None],
+        seam: HostSeam,
     ):
         """``last_pass()``: the latest backward pass, whose operations are dropped;
         ``finish_in_flight()``: at exit, waits for what the model still has in flight
-        (see [Note: operations in flight at exit])."""
+        (see [Note: operations in flight at exit]); ``seam``: lets go of the operations it
+        watches (see [Note: stream-ordered waits] in commsched/device.py)."""
         self._transport, self._tracker, self._events, self._groups = transport, tracker, events, groups
-        self._last_pass, self._finish_in_flight = last_pass, finish_in_flight
+        self._last_pass, self._finish_in_flight, self._seam = last_pass, finish_in_flight, seam
         atexit.register(_at_exit, weakref.ref(self))
 
     def __call__(self) -> None:
@@ -73,6 +76,7 @@ class Shutdown:
         last = self._last_pass()
         if last is not None:
             last.drop_handles()
+        self._seam.forget()
         if not communication_failed():
             groups.destroy_owned()
         groups.forget()

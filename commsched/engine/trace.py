@@ -32,6 +32,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,11 @@ class Tracer(Observer):
         root: torch.nn.Module,
         params: list[torch.nn.Parameter],
         tracker: CallbackTracker,
+        completion_callbacks: Callable[[], bool] = lambda: True,
     ):
+        """``completion_callbacks()``: whether a handle's completion callback runs when it is done
+        (`commsched.comm.transport.Transport.completion_callbacks`); else a partition's wire span
+        ends where the dispatcher finds it complete (`partition_completed`)."""
         self.path = Path(directory) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._failed_writes = 0
@@ -118,6 +123,9 @@ class Tracer(Observer):
         self.iteration = -1
         self._root = root
         self._tracker = tracker
+        self._completion_callbacks = completion_callbacks
+        self._issued: dict[int, tuple[str, float]] = {}
+        """Per handle still on the wire, where completions have no callback: its span's name and start."""
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # completion callbacks run on communication threads
         self._open: dict[tuple[str, int], float] = {}
@@ -153,8 +161,17 @@ class Tracer(Observer):
         issued = now_us()
         name = f"P{partition.pid} b{partition.bucket}"
         self.span("queue", name, self._ready_us[partition.bucket], issued, bytes=partition.nbytes)
+        if not self._completion_callbacks():
+            self._issued[id(handle)] = (name, issued)
+            return
         self._tracker.when_complete(handle, lambda: self.span(
             "wire", name, issued, now_us(), bytes=partition.nbytes, priority=partition.priority))
+
+    def partition_completed(self, partition: Partition, handle: Handle) -> None:
+        started = self._issued.pop(id(handle), None)
+        if started is not None:
+            name, issued = started
+            self.span("wire", name, issued, now_us(), bytes=partition.nbytes, priority=partition.priority)
 
     def reduction_waited(self, bucket: int, start_s: float, end_s: float) -> None:
         self.span("gates", f"wait b{bucket}", start_s * 1e6, end_s * 1e6)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from commsched.comm.transport import Transport
+from commsched.device import HostSeam
 from commsched.engine.backward_pass import BackwardPass
 from commsched.engine.config import RunConfig
 from commsched.engine.events import EventBus
@@ -76,8 +77,11 @@ class Warmup:
         groups: ProcessGroups,
         transport: Transport,
         order_found: OrderFound,
+        clock: HostSeam,
     ):
+        """``clock``: the gradients' device's, which times the profile and the link's calibration."""
         self._module, self._params, self._config = module, params, config
+        self._clock = clock
         self._events, self._groups, self._transport = events, groups, transport
         self._order_found = order_found
         self._first_forward: FirstForward | None = None
@@ -107,7 +111,7 @@ class Warmup:
         """The buckets exist: profile (with priority) and, where forward overlap is possible
         (``gates_of_slots``: per slot, the modules whose gate waits for it), watch the loop's reads."""
         if self._config.priority:
-            self._profile = ReadyTimeProfile(len(self._params))
+            self._profile = ReadyTimeProfile(len(self._params), self._clock)
             self._events.subscribe(self._profile)
         if gates_of_slots is not None:
             self.reads = ParameterReads(self._module, self._params, gates_of_slots)
@@ -152,7 +156,7 @@ class Warmup:
         two_steps = self._transport.two_steps
         calibration = calibrate(layout, self._groups.replicas, self._config.timeout_s, self._config.adaptive,
                                 None if two_steps is None else two_steps.second_steps,
-                                int(self._config.layout.first_bucket_mb * MIB))
+                                int(self._config.layout.first_bucket_mb * MIB), clock=self._clock)
         timing = calibration.two_step
         if timing is not None and two_steps is not None:
             two_steps.use(timing.nbytes if timing.pays else 0, timing.describe())

@@ -16,11 +16,15 @@ import torch
 import torch.distributed as dist
 
 from commsched.comm.two_step import SecondSteps, TwoStepAllReduce
+from commsched.device import HostSeam
 from commsched.errors import wait_or_raise
 from commsched.layout.grad_layout import GradLayout
 from commsched.planning.schedule import LinkModel
 from commsched.profiling.link import collectives_in_flight
 from commsched.profiling.profile import fit_link
+
+HOST = HostSeam()
+"""The host's clock, where no device's is given."""
 
 CALIBRATION_BYTES = 8 * 2**20
 """Largest all-reduce the cost model times to measure the link's bandwidth (once, at the end of warm-up)."""
@@ -36,21 +40,26 @@ LATENCY_REPEATS = 10
 
 def _timed_all_reduce(
     buffer: torch.Tensor, group: dist.ProcessGroup, timeout_s: float, what: str,
-    second_steps: SecondSteps | None = None,
+    second_steps: SecondSteps | None = None, clock: HostSeam = HOST,
 ) -> tuple[float, float]:
-    """Wall time of one all-reduce of ``buffer`` (in two steps with ``second_steps``), and the CPU
-    time of this process (every thread) per second of it. Collective."""
-    start, cpu_start = time.perf_counter(), time.process_time()
+    """Time of one all-reduce of ``buffer`` (in two steps with ``second_steps``), and the CPU time
+    of this process (every thread) per second of it. Collective.
+
+    Timed by ``clock``: on a GPU, events on the current stream around the collective and its
+    wait (a host timestamp there would count the host's polling of an NCCL wait: in steps of
+    milliseconds); the host's wall time on the CPU."""
+    start, cpu_start = clock.stamp(), time.process_time()
     if second_steps is None:
         wait_or_raise(dist.all_reduce(buffer, group=group, async_op=True), timeout_s, what)
     else:
         TwoStepAllReduce(buffer, group, second_steps, what).wait(timeout_s)
-    wall = time.perf_counter() - start
+    wall = clock.seconds_between(start, clock.stamp())
     return wall, (time.process_time() - cpu_start) / max(wall, 1e-9)
 
 
 def measure_latency(
-    group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = LATENCY_REPEATS
+    group: dist.ProcessGroup, device: torch.device, timeout_s: float, repeats: int = LATENCY_REPEATS,
+    clock: HostSeam = HOST,
 ) -> float:
     """The quickest of ``repeats`` one-element all-reduces on ``device`` (collective: every rank calls it).
 
@@ -62,11 +71,12 @@ def measure_latency(
     calibrations (docs/records/2026-11-24-link-calibration.md).
     """
     buffer, what = torch.zeros(1, device=device), "the latency measurement before agreeing on a plan"
-    return min(_timed_all_reduce(buffer, group, timeout_s, what)[0] for _ in range(repeats))
+    return min(_timed_all_reduce(buffer, group, timeout_s, what, clock=clock)[0] for _ in range(repeats))
 
 
 def measure_link(
-    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float
+    group: dist.ProcessGroup, device: torch.device, nbytes: int, latency_s: float, timeout_s: float,
+    clock: HostSeam = HOST,
 ) -> tuple[LinkModel, float]:
     """An all-reduce's cost as ``a + n / b`` at two sizes (``nbytes``, capped at
     `CALIBRATION_BYTES`, and an eighth of it), measured idle. Collective.
@@ -89,8 +99,8 @@ def measure_link(
     buffers = [large_buffer[:size // 4] for size in sizes]
     what = "the link measurement before choosing the partitioning"
     for buffer in buffers:
-        _timed_all_reduce(buffer, group, timeout_s, what)
-    samples = [[_timed_all_reduce(buffer, group, timeout_s, what) for buffer in buffers]
+        _timed_all_reduce(buffer, group, timeout_s, what, clock=clock)
+    samples = [[_timed_all_reduce(buffer, group, timeout_s, what, clock=clock) for buffer in buffers]
                for _ in range(CALIBRATION_REPEATS)]
     link, cpu_share = link_from_samples(sizes, samples, latency_s)
     return dataclasses.replace(link, in_flight=collectives_in_flight(group, device)), cpu_share
@@ -193,7 +203,8 @@ class Calibration:
 
 
 def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, with_link: bool,
-              second_steps: SecondSteps | None = None, first_bucket_bytes: int = 0) -> Calibration:
+              second_steps: SecondSteps | None = None, first_bucket_bytes: int = 0,
+              clock: HostSeam = HOST) -> Calibration:
     """Time the link on ``group`` with tensors on the gradients' device. Collective.
 
     Runs where memory is lowest, at the end of warm-up's last profiled backward
@@ -208,7 +219,7 @@ def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, wi
     the forward order is known, it may be smaller), at most every gradient's.
     """
     device = layout.buckets[0].flat.device
-    latency_s = measure_latency(group, device, timeout_s)
+    latency_s = measure_latency(group, device, timeout_s, clock=clock)
     two_step = None
     if second_steps is not None:
         total = sum(b.wire_nbytes for b in layout.buckets)
@@ -218,5 +229,6 @@ def calibrate(layout: GradLayout, group: dist.ProcessGroup, timeout_s: float, wi
         two_step = time_both_ways(group, device, first, behind, second_steps, timeout_s)
     if not with_link:
         return Calibration(latency_s, two_step=two_step)
-    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s)
+    link, cpu_share = measure_link(group, device, sum(b.nbytes for b in layout.buckets), latency_s, timeout_s,
+                                   clock=clock)
     return Calibration(latency_s, link, cpu_share, two_step)

@@ -79,6 +79,10 @@ class _BlockHandle:
             completion.error, timeout_s,
         )
 
+    def order(self) -> bool:
+        """The pull completes on the host (a receive): the host waits."""
+        return False
+
     def is_completed(self) -> bool:
         return self._completion.done.is_set()
 
@@ -90,6 +94,7 @@ class ParameterServerTransport:
     """Pushes blocks to their servers and pulls the new values back."""
 
     is_local = False
+    completion_callbacks = True
     sums_usage_flags = False
     scatter = None
     two_steps = None

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from commsched.errors import communication_timeout, wait_or_raise
+from commsched.device import HostSeam, WorkOrder
+from commsched.errors import communication_timeout
 
 
 @dataclass(eq=False)
@@ -45,6 +46,8 @@ class QueuedGather:
     what: str
     """What it gathers, for a timeout's message."""
     one_at_a_time: bool
+    on_nccl: bool = False
+    """Its tensors are on a GPU and its group runs NCCL there (`commsched.device.runs_nccl`)."""
     work: dist.Work | None = None
     failure: BaseException | None = None
     finished: bool = False
@@ -61,9 +64,10 @@ class GatherQueue:
         """Started and not yet awaited, oldest first."""
         self._started_one = threading.Condition(self._lock)
 
-    def submit(self, begin: Callable[[], dist.Work], what: str, one_at_a_time: bool) -> QueuedGather:
+    def submit(self, begin: Callable[[], dist.Work], what: str, one_at_a_time: bool,
+               on_nccl: bool = False) -> QueuedGather:
         """Ask for an all-gather (``begin`` starts it); it starts now if it may."""
-        gather = QueuedGather(begin, what, one_at_a_time)
+        gather = QueuedGather(begin, what, one_at_a_time, on_nccl)
         with self._lock:
             self._queued.append(gather)
         self.start_next()
@@ -83,8 +87,10 @@ class GatherQueue:
             started = [self._start(self._queued.popleft()) for _ in range(len(self._queued))]
         self._follow(started)
 
-    def wait(self, gather: QueuedGather, timeout_s: float) -> None:
-        """``gather`` has finished; raise `CommunicationTimeout` naming it if it did not in ``timeout_s``."""
+    def wait(self, gather: QueuedGather, timeout_s: float, seam: HostSeam) -> None:
+        """``gather`` has finished (on a GPU: the current stream waits for it, see [Note:
+        stream-ordered waits] in commsched/device.py); raise `CommunicationTimeout` naming it if
+        it did not in ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._started_one:
             started = self._started_one.wait_for(lambda: gather.work is not None or gather.failure is not None,
@@ -94,7 +100,8 @@ class GatherQueue:
         if not started:
             raise communication_timeout(f"{gather.what}, which waited for the all-gathers before it",
                                         timeout_s, None)
-        wait_or_raise(gather.work, max(0.0, deadline - time.monotonic()), gather.what)
+        work = gather.work
+        seam.settle(WorkOrder(work, gather.what, gather.on_nccl), max(0.0, deadline - time.monotonic()), gather.what)
         with self._lock:
             self._started.remove(gather)
 

@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from commsched.device import HostSeam, runs_nccl
 from commsched.errors import wait_or_raise
 from commsched.layout.buckets import view_like
 from commsched.layout.shards import BucketShard, Fragment, ShardStatus, first_kept_whole, shard_bucket
@@ -149,13 +150,16 @@ class ShardedUpdate:
     join_refusal = None
 
     def __init__(self, optimizer: torch.optim.Optimizer, fuse_optimizer: bool,
-                 gather_group: Callable[[], dist.ProcessGroup], timeout_s: float):
+                 gather_group: Callable[[], dist.ProcessGroup], timeout_s: float, seam: HostSeam | None = None):
         """``gather_group``: the process group of the all-gathers, read when used (see
-        [Note: process groups at exit] in `commsched.engine.groups`)."""
+        [Note: process groups at exit] in `commsched.engine.groups`); ``seam``: how a wait for
+        an all-gather orders the parameters' device (see [Note: stream-ordered waits] in
+        commsched/device.py)."""
         refusal = sharding_refusal(optimizer)
         if refusal is not None:
             raise ValueError(refusal)
         self._optimizer, self._fused, self._group, self._timeout_s = optimizer, fuse_optimizer, gather_group, timeout_s
+        self._seam = HostSeam() if seam is None else seam
         self._kind = optimizer_kind(optimizer)
         device = next(p.device for group in optimizer.param_groups for p in group["params"])
         self.sharded = self.state_elsewhere = self
@@ -305,13 +309,13 @@ class ShardedUpdate:
             lambda: resharding.all_gather_single(flat, mine, group=group, async_op=True),
             f"the all-gather of bucket {bucket}'s updated parameters ({shard.padded_numel} elements, "
             f"{shard.chunk} from each rank)",
-            gathers_one_at_a_time(flat.device))
+            gathers_one_at_a_time(flat.device), runs_nccl(group, flat.device))
 
     def wait_updated(self, bucket: int) -> None:
         """Every rank's updated chunk of ``bucket`` is in the parameters."""
         gather = self._gathers.pop(bucket, None)
         if gather is not None:
-            gather_queue_for(self._group()).wait(gather, self._timeout_s)
+            gather_queue_for(self._group()).wait(gather, self._timeout_s, self._seam)
 
     def _group_after_gathers(self) -> dist.ProcessGroup:
         """The all-gathers' group for any other collective: every queued all-gather starts first, so

@@ -12,8 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from commsched.device import HostSeam
 from commsched.errors import CommunicationTimeout
 from commsched.update.gather_queue import GatherQueue, gathers_one_at_a_time
+
+HOST = HostSeam()
 
 
 class FakeGather:
@@ -57,12 +60,12 @@ def test_host_memory_gathers_go_one_at_a_time_in_the_order_asked():
     assert log.started == ["a"]
     log.works["a"].finish()
     assert log.started == ["a", "b"]
-    queue.wait(gathers["a"], 1.0)
+    queue.wait(gathers["a"], 1.0, HOST)
     log.works["b"].finish()
     assert log.started == ["a", "b", "c"]
     log.works["c"].finish()
     for name in "bc":
-        queue.wait(gathers[name], 1.0)
+        queue.wait(gathers[name], 1.0, HOST)
 
 
 def test_gathers_not_held_back_all_start_when_asked():
@@ -92,9 +95,9 @@ def test_waiting_for_a_queued_gather_waits_for_the_ones_before_it():
         log.works["b"].finish()
 
     threading.Timer(0.05, finish_in_turn).start()  # a communication thread, finishing them later
-    queue.wait(second, 10.0)
+    queue.wait(second, 10.0, HOST)
     assert log.started == ["a", "b"]
-    queue.wait(first, 1.0)
+    queue.wait(first, 1.0, HOST)
 
 
 def test_a_gather_stuck_behind_one_that_never_finishes_times_out_with_its_name():
@@ -102,7 +105,7 @@ def test_a_gather_stuck_behind_one_that_never_finishes_times_out_with_its_name()
     queue.submit(log.begin("a"), "gather a", True)
     stuck = queue.submit(log.begin("b"), "the all-gather of bucket 3", True)
     with pytest.raises(CommunicationTimeout, match="the all-gather of bucket 3, which waited for the all-gathers"):
-        queue.wait(stuck, 0.05)
+        queue.wait(stuck, 0.05, HOST)
 
 
 def test_a_gather_that_fails_to_start_raises_at_its_wait():
@@ -113,7 +116,7 @@ def test_a_gather_that_fails_to_start_raises_at_its_wait():
 
     gather = queue.submit(broken, "the all-gather of bucket 1", True)
     with pytest.raises(CommunicationTimeout, match="the all-gather of bucket 1.*connection reset"):
-        queue.wait(gather, 1.0)
+        queue.wait(gather, 1.0, HOST)
 
 
 def test_only_tensors_in_host_memory_are_held_back():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commsched.engine import ready_times
+from commsched.device import HostSeam
 from commsched.engine.ready_times import ReadyTimeProfile
 from commsched.engine.dispatch import PlanExecutor
 from commsched.layout.partitions import Partition, Plan, make_partitions
@@ -86,11 +86,13 @@ def test_the_plan_never_assumes_a_link_faster_than_idle():
     assert planning_bytes_per_s(unknown) == pytest.approx(1e8)
 
 
-class FakeClock:
+class FakeClock(HostSeam):
+    """The host's seam, with a clock the test sets."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
-    def __call__(self) -> float:
+    def stamp(self) -> float:
         return self.now
 
 
@@ -110,8 +112,7 @@ def warm_up(
     """Two profiled warm-up iterations: each partition issued in bucket order once its
     bucket is ready, as warm-up does, reduced one after the other on ``link``."""
     clock = FakeClock()
-    monkeypatch.setattr(ready_times.time, "perf_counter", clock)
-    profile = ReadyTimeProfile(num_slots=len(BUCKET_READY_S))
+    profile = ReadyTimeProfile(num_slots=len(BUCKET_READY_S), clock=clock)
     start = 0.0
     for iteration in (1, 2):
         clock.now = start - forward_s
