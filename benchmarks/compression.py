@@ -16,11 +16,15 @@ with the hook and several buckets stops on a collective mismatch; see docs/guide
 ``speed`` (emulated hosts, root): 2 and 4 hosts at 0.1 and 0.25 Gbit/s, the bench models; in
 each of ``--repeats`` fresh clusters per cell the systems train side by side in interleaved
 rounds, after their warm-up (commsched's layout settled, compression started): each rank on
-its own (compute alone), torch DDP with ``powerSGD_hook`` (one bucket, the only layout gloo
-runs it with), commsched with ``PowerSGD``. Rank 0 also times what the compressed all-reduces
-of the whole model take alone (the rest and the ``P``, then the ``Q``: one all-reduce each).
-Reported: each system's median iteration on rank 0 (median over repeats), commsched over DDP
-with the hook, and commsched over the bound max(compute alone, compressed all-reduces alone).
+its own (compute alone), each rank on its own with DDP's hook on a group of its own (the
+computation and the compression's arithmetic on the same core, nothing on the wire), torch DDP
+with ``powerSGD_hook`` (one bucket, the only layout gloo runs it with), commsched with
+``PowerSGD``. Rank 0 also times what the compressed all-reduces of the whole model take alone
+(the rest and the ``P``, then the ``Q``: one all-reduce each). Reported: each system's median
+iteration on rank 0 (median over repeats), commsched over DDP with the hook, commsched over the
+bound max(compute alone, compressed all-reduces alone), and DDP's and commsched's time over the
+bound with the arithmetic, max(compute and arithmetic, compressed all-reduces alone): where the
+arithmetic shares the cores with the backward pass, no schedule hides it.
 
 ``convergence`` (loopback, 2 ranks): the loss curves of uncompressed training, PowerSGD of rank
 1 and 4, bfloat16 on the wire, and torch DDP with ``powerSGD_hook`` of rank 1 beside them, over
@@ -49,16 +53,20 @@ from commsched.bench.tasks import BATCH, Host, flat_parameters, interleaved_roun
 
 BENCH_MODELS = ("vgg-like", "resnet-like", "transformer-like")
 COMPUTE, DDP_HOOK, COMMSCHED = "compute only", "DDP, powerSGD_hook", "commsched, PowerSGD"
-SPEED_SYSTEMS = (COMPUTE, DDP_HOOK, COMMSCHED)
+ARITHMETIC = "compute + compression arithmetic"
+"""torch DDP with ``powerSGD_hook`` on a group of this rank alone: the same computation and the same
+compression arithmetic (and error feedback) on the same core as in training, nothing on the wire."""
+SPEED_SYSTEMS = (COMPUTE, ARITHMETIC, DDP_HOOK, COMMSCHED)
 ONE_BUCKET_MB = 4096.0
 """DDP's bucket cap for the hook: every model here in one bucket."""
 
 
 # -------------------------------------------------------------------------- systems
-def build(system: str, base: nn.Module, make_optimizer, rank: int, start: int
-          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(system: str, base: nn.Module, make_optimizer, rank: int, start: int,
+          alone: dist.ProcessGroup | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``system`` on a copy of ``base``. System names: ``compute only``, ``DDP``, ``DDP, powerSGD_hook[ rank R]``,
-    ``commsched``, ``commsched, PowerSGD[ rank R]``, ``commsched, bf16 on the wire``."""
+    ``commsched``, ``commsched, PowerSGD[ rank R]``, ``commsched, bf16 on the wire``, and `ARITHMETIC` (on
+    ``alone``, a group of this rank only)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -67,6 +75,12 @@ def build(system: str, base: nn.Module, make_optimizer, rank: int, start: int
     model = copy.deepcopy(base)
     approximation_rank = int(system.rsplit(" rank ", 1)[1]) if " rank " in system else rank
     if system == COMPUTE:
+        return model, make_optimizer(model)
+    if system == ARITHMETIC:
+        model = DistributedDataParallel(model, bucket_cap_mb=ONE_BUCKET_MB, process_group=alone)
+        model.register_comm_hook(powerSGD_hook.PowerSGDState(
+            alone, matrix_approximation_rank=approximation_rank, start_powerSGD_iter=start),
+            powerSGD_hook.powerSGD_hook)
         return model, make_optimizer(model)
     if system.startswith("DDP"):
         hooked = "powerSGD_hook" in system
@@ -146,9 +160,10 @@ def speed_worker(spec_path: Path, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     host = Host.join(spec["model"], spec["batch"])
     t, base, mine, rank = host.task, host.base, host.mine, host.rank
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
     runs = []
     for system in spec["systems"]:
-        model, optimizer = build(system, base, host.task.optimizer, spec["rank"], start=2)
+        model, optimizer = build(system, base, host.task.optimizer, spec["rank"], start=2, alone=alone)
         runs.append((system, model, optimizer, host.stream()))
 
     warmups = {system: SETTLED_AFTER if system.startswith("commsched") else spec["warmup"]
@@ -176,19 +191,33 @@ def _compressed_all_reduces_alone(model: nn.Module, approximation_rank: int, cou
 
 
 def speed_rows(cells: list[dict]) -> list[str]:
-    rows = ["| model | hosts | link | compute alone (ms) | compressed all-reduces alone (ms) | DDP + hook (ms) | "
-            "commsched (ms) | commsched vs DDP + hook | commsched / bound |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    """Per cell: medians over repeats, and per repeat the ratios (their medians). The bound is
+    max(compute alone, compressed all-reduces alone); where the run timed `ARITHMETIC`, the bound
+    with the compression's arithmetic is max(that, compressed all-reduces alone)."""
+    with_arithmetic = all(ARITHMETIC in times for cell in cells for times in cell["repeats"])
+    rows = ["| model | hosts | link | compute alone (ms) | "
+            + ("compute + compression arithmetic (ms) | " if with_arithmetic else "")
+            + "compressed all-reduces alone (ms) | DDP + hook (ms) | commsched (ms) | commsched vs DDP + hook | "
+            "commsched / bound |" + (" DDP + hook / bound with arithmetic | commsched / bound with arithmetic |"
+                                     if with_arithmetic else ""),
+            "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if with_arithmetic else "")]
     for cell in cells:
         repeats = [Repeat.of(times) for times in cell["repeats"]]
         compute, alone = median_s(repeats, COMPUTE), median_s(repeats, "compressed all-reduces alone")
         speedup = statistics.median(1 / r for r in ratios(repeats, COMMSCHED, DDP_HOOK))
-        over_bound = statistics.median(r.medians_s[COMMSCHED] / max(r.medians_s[COMPUTE],
-                                                                    r.medians_s["compressed all-reduces alone"])
-                                       for r in repeats)
+
+        def over(system: str, floor: str) -> float:
+            return statistics.median(r.medians_s[system] / max(r.medians_s[floor],
+                                                               r.medians_s["compressed all-reduces alone"])
+                                     for r in repeats)
+
+        arithmetic = f"{median_s(repeats, ARITHMETIC) * 1e3:.0f} | " if with_arithmetic else ""
+        tail = (f" {over(DDP_HOOK, ARITHMETIC):.2f} | {over(COMMSCHED, ARITHMETIC):.2f} |"
+                if with_arithmetic else "")
         rows.append(f"| {cell['model']} | {cell['hosts']} | {cell['rate_gbit']:g} Gbit/s | {compute * 1e3:.0f} | "
-                    f"{alone * 1e3:.0f} | {median_s(repeats, DDP_HOOK) * 1e3:.0f} | "
-                    f"{median_s(repeats, COMMSCHED) * 1e3:.0f} | {speedup:.2f}x | {over_bound:.2f} |")
+                    f"{arithmetic}{alone * 1e3:.0f} | {median_s(repeats, DDP_HOOK) * 1e3:.0f} | "
+                    f"{median_s(repeats, COMMSCHED) * 1e3:.0f} | {speedup:.2f}x | {over(COMMSCHED, COMPUTE):.2f} |"
+                    f"{tail}")
     return rows
 
 
