@@ -77,7 +77,7 @@ class WorkOrder:
         wait_or_raise(self._work, timeout_s, self._what)
 
     def order(self) -> bool:
-        return order_after_work(self._work, self._on_nccl)
+        return order_after_work(self._work, self._on_nccl, self._what)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -88,15 +88,19 @@ def runs_nccl(group: dist.ProcessGroup, device: torch.device) -> bool:
     return device.type == "cuda" and "nccl" in str(dist.get_backend(group))
 
 
-def order_after_work(work: dist.Work, on_nccl: bool) -> bool:
+def order_after_work(work: dist.Work, on_nccl: bool, what: str) -> bool:
     """[Note: ordering after a work] NCCL: the untimed ``wait()`` makes the current stream wait
     for the collective's end event, and returns at once. gloo with CUDA tensors: once its host side
     is done, the untimed ``wait()`` returns at once and orders the current stream after the copy
     back to the device; before that, nothing can order a stream after it without racing that copy
     (``block_current_stream()`` releases the stream when the host side ends, not the copy), so
-    False: the caller waits on the host."""
+    False: the caller waits on the host. A work that failed already (NCCL's watchdog aborted its
+    communicator, a peer closed the connection) raises `CommunicationTimeout` naming ``what``."""
     if on_nccl or work.is_completed():
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise communication_timeout(what, 0.0, error) from error
         return True
     return False
 

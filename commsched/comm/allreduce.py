@@ -48,10 +48,15 @@ class _WorkHandle:
         self._finish()
 
     def order(self) -> bool:
-        if not order_after_work(self._work, self._transport.on_nccl):
-            return False
-        self._finish()
-        return True
+        try:
+            ordered = order_after_work(self._work, self._transport.on_nccl,
+                                       _all_reduce_what(self._bucket, self._partition))
+        except CommunicationTimeout as error:
+            self._transport.explain_failure(error)
+            raise
+        if ordered:
+            self._finish()
+        return ordered
 
     def _finish(self) -> None:
         if self._bucket.cast_on_wire:
@@ -85,10 +90,15 @@ class _ScatterHandle:
         self._scatter.finish()
 
     def order(self) -> bool:
-        if not self._scatter.order(self._transport.on_nccl):
-            return False
-        self._scatter.finish()
-        return True
+        try:
+            ordered = self._scatter.order(self._transport.on_nccl,
+                                          f"the reduce-scatter of gradient bucket {self._bucket.index}")
+        except CommunicationTimeout as error:
+            self._transport.explain_failure(error)
+            raise
+        if ordered:
+            self._scatter.finish()
+        return ordered
 
     def is_completed(self) -> bool:
         return self._scatter.is_completed()

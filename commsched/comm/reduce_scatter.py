@@ -172,11 +172,11 @@ class Scatter:
         if work is not None:
             wait_or_raise(work, timeout_s, what)
 
-    def order(self, on_nccl: bool) -> bool:
+    def order(self, on_nccl: bool, what: str) -> bool:
         """The current stream waits for the work, the host does not (see [Note: ordering after a
         work] in commsched/device.py); False where it cannot, and nothing was done."""
         work = self._work
-        return work is None or order_after_work(work, on_nccl)
+        return work is None or order_after_work(work, on_nccl, what)
 
     def is_completed(self) -> bool:
         work = self._work

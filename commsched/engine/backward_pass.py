@@ -46,7 +46,7 @@ from commsched.device import HostSeam
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.dispatch import Dispatcher
 from commsched.engine.events import EventBus, phase
-from commsched.engine.finite import FiniteCheck, UnreportedVerdict, flag_nonfinite
+from commsched.engine.finite import FiniteCheck, PassVerdict, flag_nonfinite
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Partition, Plan
 from commsched.update.base import Hyperparameters, UpdatePolicy
@@ -101,8 +101,8 @@ class BackwardPass:
         self._layout, self._transport, self._policy, self._events = layout, transport, policy, events
         self._timeout_s = timeout_s
         self._finite = finite_check
-        self._verdict: UnreportedVerdict | None = None
-        """The finite check's verdict, once asked to report it (the same object each time)."""
+        self._verdict: PassVerdict | None = None
+        """The finite check's verdict, once asked for (the same object each time)."""
         self._seam = HostSeam() if seam is None else seam
         self._host_waits_at_start = self._seam.host_waits
         num_buckets, num_slots = len(layout.buckets), len(layout.params)
@@ -539,17 +539,15 @@ class BackwardPass:
         low, high = max(low, offset), min(high, offset + grad.numel())
         return bucket.flat[low:high] if low < high else None
 
-    def report_nonfinite(self, block: bool) -> UnreportedVerdict | None:
-        """With `Strategy.check_finite`: raise or warn if some rank's gradients held inf or NaN.
-
-        Nothing under a ``GradScaler``, whose own verdict rules. ``block``: on a GPU, wait
-        for the verdict to reach the host; else, if it has not yet, it is returned, to be told
-        later (`UnreportedVerdict`)."""
+    def nonfinite_verdict(self) -> PassVerdict | None:
+        """With `Strategy.check_finite`, once the flags are read: the verdict to tell, raising or
+        warning if some rank's gradients held inf or NaN (`VerdictsToTell`). None under a
+        ``GradScaler``, whose own verdict rules."""
         if self._finite is None or self._scaling is not None or not self._flags_settled:
             return None
         if self._verdict is None:
-            self._verdict = UnreportedVerdict(self._finite, self._layout.names, self._layout.bucket_slots)
-        return None if self._verdict.report(block) else self._verdict
+            self._verdict = PassVerdict(self._finite, self._layout.names, self._layout.bucket_slots)
+        return self._verdict
 
     # -------------------------------------------------------------------- step
     @property

@@ -124,10 +124,9 @@ class FiniteCheck:
         )
 
 
-class UnreportedVerdict:
-    """A pass's `FiniteCheck` whose verdict may still be on its way from a GPU: the host does not
-    wait for it inside an iteration, but tells it at the first backward pass or ``step()`` (where
-    it reports) that finds it arrived."""
+class PassVerdict:
+    """A pass's `FiniteCheck` with the names of its buckets' parameters, which outlives the pass
+    until its verdict is told (`VerdictsToTell`)."""
 
     def __init__(self, check: FiniteCheck, names: Sequence[str], bucket_slots: Sequence[Sequence[int]]):
         self._check, self._names, self._bucket_slots = check, names, bucket_slots
@@ -136,6 +135,23 @@ class UnreportedVerdict:
         """As `FiniteCheck.report`: True once told (or nothing to tell)."""
         names, bucket_slots = self._names, self._bucket_slots
         return self._check.report(lambda b: [names[slot] for slot in bucket_slots[b]], block)
+
+
+class VerdictsToTell:
+    """The verdicts of passes not yet told, oldest first. On a GPU a verdict travels to the host
+    without a wait, so it is told at the first backward pass or ``step()`` that finds it arrived
+    (see [Note: stream-ordered waits] in commsched/device.py); on the CPU at once."""
+
+    def __init__(self) -> None:
+        self._waiting: list[PassVerdict] = []
+
+    def tell(self, latest: PassVerdict | None, block: bool) -> None:
+        """Raise or warn what ``latest`` and the verdicts before it found, as far as they have
+        reached the host (``block``: wait for them)."""
+        if latest is not None and all(latest is not verdict for verdict in self._waiting):
+            self._waiting.append(latest)
+        while self._waiting and self._waiting[0].report(block):
+            self._waiting.pop(0)
 
 
 def flag_nonfinite(grads: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:

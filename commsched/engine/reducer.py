@@ -36,7 +36,7 @@ from commsched.engine.buffers import BufferBroadcast
 from commsched.engine.completion import CallbackTracker
 from commsched.engine.config import RunConfig
 from commsched.engine.events import EventBus, phase
-from commsched.engine.finite import FiniteCheck, UnreportedVerdict
+from commsched.engine.finite import FiniteCheck, VerdictsToTell
 from commsched.engine.gating import ForwardGating
 from commsched.engine.groups import ProcessGroups
 from commsched.engine.hooks import ModelHooks
@@ -87,8 +87,8 @@ class GradientReducer:
         the gradients' device (see [Note: stream-ordered waits] in commsched/device.py)."""
         self.module, self.transport, self.policy, self.groups = module, transport, policy, groups
         self.seam = HostSeam() if seam is None else seam
-        self._unreported: list[UnreportedVerdict] = []
-        """`Strategy.check_finite` verdicts still on their way from a GPU, oldest first."""
+        self._verdicts = VerdictsToTell()
+        """`Strategy.check_finite`'s verdicts, told where they have reached the host."""
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -452,15 +452,9 @@ class GradientReducer:
             self.current.synchronized(by_user=True)
 
     def _report_nonfinite(self, latest: BackwardPass | None) -> None:
-        """With `Strategy.check_finite`: tell what earlier passes and ``latest`` found. On a GPU,
-        only the verdicts that have reached the host: the host does not wait for them."""
-        block = not self.seam.orders_streams
-        if latest is not None:
-            verdict = latest.report_nonfinite(block)
-            if verdict is not None and verdict not in self._unreported:
-                self._unreported.append(verdict)
-        while self._unreported and self._unreported[0].report(block):
-            self._unreported.pop(0)
+        """With `Strategy.check_finite`: tell what ``latest`` and earlier passes found, as far as it
+        has reached the host (on a GPU the host does not wait for it)."""
+        self._verdicts.tell(None if latest is None else latest.nonfinite_verdict(), not self.seam.orders_streams)
 
     def state_loaded(self) -> None:
         """``load_state_dict()`` changed the parameters: with parameter servers, they get the new values."""

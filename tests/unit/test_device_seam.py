@@ -167,3 +167,20 @@ def test_the_seam_follows_the_device_and_a_test_may_install_its_own():
     with using_seam(lambda device: StreamSeam(device, Clock())):
         assert type(seam_for(CPU)) is StreamSeam
     assert type(seam_for(CPU)) is HostSeam
+
+
+class FailedWork:
+    """A collective that failed before anyone waited (NCCL's watchdog aborted it, say)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        raise RuntimeError("NCCL communicator was aborted on rank 1")
+
+
+def test_a_collective_that_failed_already_is_a_communication_timeout_naming_it():
+    from commsched.device import order_after_work
+
+    with pytest.raises(CommunicationTimeout, match=r"the all-reduce of bucket 2 failed .*aborted on rank 1"):
+        order_after_work(FailedWork(), on_nccl=True, what="the all-reduce of bucket 2")
