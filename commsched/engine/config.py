@@ -42,22 +42,31 @@ class RunConfig:
     trace_dir: str | os.PathLike | None
     block_mb: float | None = None
     """With parameter servers: their largest block, which caps the buckets too."""
+    compressed: bool = False
+    """``Strategy.compression`` is set: each bucket goes on the wire as one unit (a matrix is never
+    cut), so the partition size neither cuts buckets nor caps them, whatever layout is in use: they
+    are capped at ``bucket_cap_mb`` (the first at ``first_bucket_mb``), as torch DDP's buckets under
+    its hook. Capped at the partition size, a model's gradients went in many small buckets, each two
+    collectives with their fixed costs: 0.92x DDP with ``powerSGD_hook`` on the VGG-like at 2
+    emulated hosts, against 1.0x in whole buckets (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
 
     @classmethod
     def of(cls, strategy: Strategy) -> RunConfig:
         backend = strategy.backend
+        compressed = strategy.compression is not None
         return cls(
             layout=LayoutSetting.of(strategy),
             overlap_requested=strategy.overlap_forward,
             priority=strategy.priority,
-            adaptive=strategy.cost_model_picks_partitioning,
+            adaptive=strategy.cost_model_picks_partitioning and not compressed,  # no partitions to pick
             tuning=TuningConfig.of(strategy) if strategy.autotune else None,
-            measures_choice=strategy.measures_its_choice,
+            measures_choice=strategy.measures_its_choice and not compressed,
             broadcast_buffers=strategy.broadcast_buffers,
             check_finite=strategy.check_finite,
             timeout_s=strategy.timeout_s,
             trace_dir=strategy.trace_dir,
             block_mb=backend.block_mb if isinstance(backend, ParameterServer) else None,
+            compressed=compressed,
         )
 
     def with_layout(self, layout: LayoutSetting) -> RunConfig:
@@ -65,11 +74,12 @@ class RunConfig:
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
-        return self.layout.bucket_size_limits_bytes(self.block_mb)
+        layout = self.layout.with_partitioning(None, self.layout.credit_mb) if self.compressed else self.layout
+        return layout.bucket_size_limits_bytes(self.block_mb)
 
     @property
     def partition_bytes(self) -> int | None:
-        return self.layout.partition_bytes
+        return None if self.compressed else self.layout.partition_bytes
 
     @property
     def credit_bytes(self) -> int | None:

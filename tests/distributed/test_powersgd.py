@@ -256,11 +256,45 @@ def powersgd_grid(rank: int, world_size: int) -> None:
     cases["resume_is_the_uninterrupted_run"] = functools.partial(case_resume_is_the_uninterrupted_run, rank,
                                                                   world_size)
     cases["refusals"] = functools.partial(case_refusals, rank, world_size)
+    cases["buckets_capped_at_bucket_cap_mb"] = functools.partial(case_buckets_capped_at_bucket_cap_mb, rank,
+                                                                 world_size)
     for hook_name in ("allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "builtin_fp16", "powerSGD_hook"):
         cases[f"drop_in_takes/{hook_name}"] = functools.partial(case_drop_in_takes_the_built_in_hooks, rank,
                                                                 world_size, hook_name)
     cases["drop_in_refuses_other_hooks"] = functools.partial(case_drop_in_refuses_other_hooks, rank, world_size)
     run_subtests(cases)
+
+
+def case_buckets_capped_at_bucket_cap_mb(rank, world_size):
+    """Compressed, buckets are capped at ``bucket_cap_mb``, not at the partition size, whatever the
+    cost model or a comm hook would choose: a bucket is one unit on the wire, and more buckets are
+    only more collectives (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
+    partition_mb, cap_mb = 0.01, 0.05  # the network's 43 KiB of float64 gradients: 1 bucket under the cap
+    compressed = commsched.Strategy(compression=commsched.PowerSGD(start_powerSGD_iter=0), partition_mb=partition_mb,
+                                    bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb)
+    plain = commsched.Strategy(partition_mb=partition_mb, bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb, adaptive=False)
+    counts = {}
+    for label, strategy in (("compressed", compressed), ("plain", plain)):
+        network = _network()
+        model, optimizer = commsched.prepare(network, OPTIMIZERS["sgd_momentum"](network.parameters()), strategy)
+        for batch in _batches(world_size, 6):
+            _share_loss(model, batch, rank).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        status = commsched.status(model)
+        assert all(bucket.partitions == 1 for bucket in status.buckets) or label == "plain", status.buckets
+        counts[label] = len(status.buckets)
+        commsched.release(model)
+    assert counts["compressed"] == 1 < counts["plain"], counts
+    drop_in = commsched.DistributedDataParallel(_network(), strategy=plain)  # compression comes with the hook
+    drop_in.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+    optimizer = OPTIMIZERS["sgd_momentum"](drop_in.parameters())
+    for batch in _batches(world_size, 6):
+        _share_loss(drop_in, batch, rank).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(commsched.status(drop_in).buckets) == 1, commsched.status(drop_in).buckets
+    commsched.release(drop_in)
 
 
 @pytest.mark.parametrize("world_size", [
