@@ -33,10 +33,9 @@ on purpose:
   which gives NaN): it happens where a matrix's gradient is zero on every rank.
 
 The unit on the wire is the bucket: a matrix is never cut, since its ``P`` and ``Q`` need all of
-it. Buckets are capped at ``Strategy.bucket_cap_mb`` (the one the forward pass needs first at
-``first_bucket_mb``), as torch DDP's under its hook, not at the partition size: compressed, a
-bucket is a few kilobytes on the wire, and each bucket costs two collectives' fixed costs
-(see `commsched.engine.config.RunConfig.compressed`).
+it. Buckets stay capped at ``Strategy.partition_mb``, so that a large layer travels alone, the
+input-side layers go first, and the compressed all-reduces of several buckets hide behind the
+backward pass (see `commsched.engine.config.RunConfig.compressed`).
 """
 
 from __future__ import annotations

@@ -43,12 +43,13 @@ class RunConfig:
     block_mb: float | None = None
     """With parameter servers: their largest block, which caps the buckets too."""
     compressed: bool = False
-    """``Strategy.compression`` is set: each bucket goes on the wire as one unit (a matrix is never
-    cut), so the partition size neither cuts buckets nor caps them, whatever layout is in use: they
-    are capped at ``bucket_cap_mb`` (the first at ``first_bucket_mb``), as torch DDP's buckets under
-    its hook. Capped at the partition size, a model's gradients went in many small buckets, each two
-    collectives with their fixed costs: 0.92x DDP with ``powerSGD_hook`` on the VGG-like at 2
-    emulated hosts, against 1.0x in whole buckets (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
+    """``Strategy.compression`` is set: each bucket goes on the wire as one unit (its ``P`` and ``Q``
+    need whole matrices), so nothing is cut into partitions; buckets stay capped at the partition
+    size, so that several units overlap the backward pass. The cost model does not choose the
+    partition size here: its costs are uncompressed bytes. In whole buckets (capped at
+    ``bucket_cap_mb``) PowerSGD at rank 16 ran 1.04-1.07x DDP with ``powerSGD_hook`` on 2 emulated
+    hosts at 0.1 Gbit/s, capped at 1 MiB 1.25-1.43x; at rank 1 the two were alike
+    (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
 
     @classmethod
     def of(cls, strategy: Strategy) -> RunConfig:
@@ -58,7 +59,7 @@ class RunConfig:
             layout=LayoutSetting.of(strategy),
             overlap_requested=strategy.overlap_forward,
             priority=strategy.priority,
-            adaptive=strategy.cost_model_picks_partitioning and not compressed,  # no partitions to pick
+            adaptive=strategy.cost_model_picks_partitioning and not compressed,  # it prices uncompressed bytes
             tuning=TuningConfig.of(strategy) if strategy.autotune else None,
             measures_choice=strategy.measures_its_choice and not compressed,
             broadcast_buffers=strategy.broadcast_buffers,
@@ -74,8 +75,7 @@ class RunConfig:
 
     @property
     def bucket_size_limits_bytes(self) -> list[int]:
-        layout = self.layout.with_partitioning(None, self.layout.credit_mb) if self.compressed else self.layout
-        return layout.bucket_size_limits_bytes(self.block_mb)
+        return self.layout.bucket_size_limits_bytes(self.block_mb)
 
     @property
     def partition_bytes(self) -> int | None:

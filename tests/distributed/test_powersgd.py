@@ -1,7 +1,12 @@
 """``Strategy(compression=PowerSGD(...))``: torch DDP's ``powerSGD_hook``, under the schedule.
 
-Every case trains in float64, where the two ways of computing the same sums differ by
-1e-13 or so, so that any difference of meaning shows. Against torch DDP with the hook, the
+Every case trains in float64, so that any difference of meaning shows: each parameter must be
+within 1e-6 of its tensor's largest element. The two ways of computing the same sums first differ
+by rounding (1e-16 at the first iteration: torch's optimizer and commsched's per-bucket update
+round differently); the power iteration and AdamW's normalisation grow that to about 1e-8 of a
+tensor's largest element by the 50th iteration, by more or less on each CPU's kernels; a
+difference of meaning (a missing error feedback, a wrong scale, another bucket's ``Q``) is 1e-3 or
+more from the first compressed step. Against torch DDP with the hook, the
 model fits in one bucket: on gloo, DDP with the hook and two buckets or more stops with
 "Received data size doesn't match expected size" (the hook issues its second and third
 all-reduces from completion callbacks, on the bucket's group, in whatever order completions
@@ -54,7 +59,8 @@ def _assert_close(actual: torch.nn.Module, expected: torch.nn.Module) -> None:
     actual.state_dict()  # waits for the updates still pending
     expected.state_dict()
     for (name, a), b in zip(actual.named_parameters(), expected.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9, msg=lambda m, n=name: f"parameter '{n}': {m}")
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-6 * b.abs().max().item(),
+                                   msg=lambda m, n=name: f"parameter '{n}': {m}")
 
 
 # ------------------------------------------------------------------ against torch DDP
@@ -256,8 +262,8 @@ def powersgd_grid(rank: int, world_size: int) -> None:
     cases["resume_is_the_uninterrupted_run"] = functools.partial(case_resume_is_the_uninterrupted_run, rank,
                                                                   world_size)
     cases["refusals"] = functools.partial(case_refusals, rank, world_size)
-    cases["buckets_capped_at_bucket_cap_mb"] = functools.partial(case_buckets_capped_at_bucket_cap_mb, rank,
-                                                                 world_size)
+    cases["buckets_capped_at_the_partition_size"] = functools.partial(case_buckets_capped_at_the_partition_size,
+                                                                      rank, world_size)
     for hook_name in ("allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "builtin_fp16", "powerSGD_hook"):
         cases[f"drop_in_takes/{hook_name}"] = functools.partial(case_drop_in_takes_the_built_in_hooks, rank,
                                                                 world_size, hook_name)
@@ -265,36 +271,43 @@ def powersgd_grid(rank: int, world_size: int) -> None:
     run_subtests(cases)
 
 
-def case_buckets_capped_at_bucket_cap_mb(rank, world_size):
-    """Compressed, buckets are capped at ``bucket_cap_mb``, not at the partition size, whatever the
-    cost model or a comm hook would choose: a bucket is one unit on the wire, and more buckets are
-    only more collectives (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
+def case_buckets_capped_at_the_partition_size(rank, world_size):
+    """Compressed, buckets stay capped at the partition size, so that several buckets' compressed
+    all-reduces hide behind the backward pass, and are never cut (a matrix's ``P`` and ``Q`` need
+    all of it); the cost model does not choose the partition size, since it prices uncompressed bytes,
+    and ``partition_mb=None`` gives buckets of ``bucket_cap_mb``. The same with a comm hook registered on
+    the drop-in (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
     partition_mb, cap_mb = 0.01, 0.05  # the network's 43 KiB of float64 gradients: 1 bucket under the cap
-    compressed = commsched.Strategy(compression=commsched.PowerSGD(start_powerSGD_iter=0), partition_mb=partition_mb,
-                                    bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb)
-    plain = commsched.Strategy(partition_mb=partition_mb, bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb, adaptive=False)
-    counts = {}
-    for label, strategy in (("compressed", compressed), ("plain", plain)):
-        network = _network()
-        model, optimizer = commsched.prepare(network, OPTIMIZERS["sgd_momentum"](network.parameters()), strategy)
+
+    def buckets(strategy, hook=None):
+        if hook is None:
+            network = _network()
+            model, optimizer = commsched.prepare(network, OPTIMIZERS["sgd_momentum"](network.parameters()), strategy)
+        else:
+            model = commsched.DistributedDataParallel(_network(), strategy=strategy)
+            model.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2), hook)
+            optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
         for batch in _batches(world_size, 6):
             _share_loss(model, batch, rank).backward()
             optimizer.step()
             optimizer.zero_grad()
-        status = commsched.status(model)
-        assert all(bucket.partitions == 1 for bucket in status.buckets) or label == "plain", status.buckets
-        counts[label] = len(status.buckets)
+        found = commsched.status(model).buckets
         commsched.release(model)
-    assert counts["compressed"] == 1 < counts["plain"], counts
-    drop_in = commsched.DistributedDataParallel(_network(), strategy=plain)  # compression comes with the hook
-    drop_in.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
-    optimizer = OPTIMIZERS["sgd_momentum"](drop_in.parameters())
-    for batch in _batches(world_size, 6):
-        _share_loss(drop_in, batch, rank).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert len(commsched.status(drop_in).buckets) == 1, commsched.status(drop_in).buckets
-    commsched.release(drop_in)
+        return found
+
+    layout = dict(bucket_cap_mb=cap_mb, first_bucket_mb=cap_mb)
+    plain = buckets(commsched.Strategy(partition_mb=partition_mb, adaptive=False, **layout))
+    compression = commsched.PowerSGD(start_powerSGD_iter=0)
+    for label, found in (
+            ("compressed", buckets(commsched.Strategy(compression=compression, partition_mb=partition_mb, **layout))),
+            ("compressed, adaptive", buckets(commsched.Strategy(compression=compression, partition_mb=partition_mb,
+                                                                adaptive=True, **layout))),
+            ("hook on the drop-in", buckets(commsched.Strategy(partition_mb=partition_mb, **layout),
+                                            powerSGD_hook.powerSGD_hook))):
+        assert len(found) == len(plain) > 1, (label, found, plain)
+        assert all(bucket.partitions == 1 for bucket in found), (label, found)
+    whole = buckets(commsched.Strategy(compression=compression, partition_mb=None, **layout))
+    assert len(whole) == 1, whole
 
 
 @pytest.mark.parametrize("world_size", [
