@@ -297,8 +297,7 @@ class Strategy:
     fastest kept only if measurably faster (see [Note:
     confirming the choice] in `commsched.tuning.confirmation`). ``False`` keeps
     exactly the configured values. Applies to the all-reduce backend with
-    ``priority=True`` and no ``compression`` (its costs are uncompressed bytes);
-    the parameter-server backend keeps its blocks."""
+    ``priority=True``; the parameter-server backend keeps its blocks."""
 
     overlap_forward: bool = True
     """Let the next forward pass start before all reductions are done:

@@ -44,11 +44,10 @@ class RunConfig:
     """With parameter servers: their largest block, which caps the buckets too."""
     compressed: bool = False
     """``Strategy.compression`` is set: each bucket goes on the wire as one unit (its ``P`` and ``Q``
-    need whole matrices), so nothing is cut into partitions; buckets stay capped at the partition
-    size, so that several units overlap the backward pass. The cost model does not choose the
-    partition size here: its costs are uncompressed bytes. In whole buckets (capped at
-    ``bucket_cap_mb``) PowerSGD at rank 16 ran 1.04-1.07x DDP with ``powerSGD_hook`` on 2 emulated
-    hosts at 0.1 Gbit/s, capped at 1 MiB 1.25-1.43x; at rank 1 the two were alike
+    need whole matrices), so nothing is cut into partitions. Buckets stay capped at the partition
+    size, as the cost model chooses it, so that several buckets' compressed all-reduces hide behind
+    the backward pass: in buckets of ``bucket_cap_mb``, PowerSGD at rank 16 ran 1.04-1.07x DDP with
+    ``powerSGD_hook`` on 2 emulated hosts at 0.1 Gbit/s, capped at the partition size 1.23-1.50x
     (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
 
     @classmethod
@@ -59,9 +58,9 @@ class RunConfig:
             layout=LayoutSetting.of(strategy),
             overlap_requested=strategy.overlap_forward,
             priority=strategy.priority,
-            adaptive=strategy.cost_model_picks_partitioning and not compressed,  # it prices uncompressed bytes
+            adaptive=strategy.cost_model_picks_partitioning,
             tuning=TuningConfig.of(strategy) if strategy.autotune else None,
-            measures_choice=strategy.measures_its_choice and not compressed,
+            measures_choice=strategy.measures_its_choice,
             broadcast_buffers=strategy.broadcast_buffers,
             check_finite=strategy.check_finite,
             timeout_s=strategy.timeout_s,
