@@ -191,7 +191,7 @@ def rewire_before_training(model: torch.nn.Module, strategy: Strategy) -> PowerS
         reducer.groups.exchange = reducer.groups.exchange or exchange_group_for(group)
         compression = PowerSGDCompressor(strategy.compression, dist.get_world_size(group),
                                          SecondSteps.of_group(reducer.groups.exchange))
-    reducer.rewire(lambda: transport.rewire(strategy.reduce_dtype, compression), RunConfig.of(strategy))
+    reducer.rewire(lambda: transport.rewire(strategy.reduce_dtype, compression))
     return compression
 
 

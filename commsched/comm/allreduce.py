@@ -21,7 +21,7 @@ from commsched.comm.reduce_dtype import average_onto_wire, copy_back, wire_dtype
 from commsched.comm.reduce_scatter import BucketScattering
 from commsched.comm.transport import COMPLETED, Handle, TransportStatus
 from commsched.device import order_after_work, runs_nccl
-from commsched.errors import CommunicationTimeout, wait_or_raise
+from commsched.errors import CommunicationTimeout, failures_explained, wait_or_raise
 from commsched.layout.buckets import Bucket, BucketSet, first_needed
 from commsched.layout.partitions import Partition, make_partitions
 
@@ -40,20 +40,14 @@ class _WorkHandle:
         self._transport = transport
 
     def wait(self, timeout_s: float) -> None:
-        try:
+        with failures_explained(self._transport.explain_failure):
             wait_or_raise(self._work, timeout_s, _all_reduce_what(self._bucket, self._partition))
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
         self._finish()
 
     def order(self) -> bool:
-        try:
+        with failures_explained(self._transport.explain_failure):
             ordered = order_after_work(self._work, self._transport.on_nccl,
                                        _all_reduce_what(self._bucket, self._partition))
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
         if ordered:
             self._finish()
         return ordered
@@ -79,26 +73,21 @@ class _ScatterHandle:
         self._scatter, self._bucket, self._partition, self._transport = scatter, bucket, partition, transport
 
     def wait(self, timeout_s: float) -> None:
-        bucket, partition = self._bucket, self._partition
-        what = (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
-                f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
-        try:
-            self._scatter.wait(timeout_s, what)
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
+        with failures_explained(self._transport.explain_failure):
+            self._scatter.wait(timeout_s, self._what())
         self._scatter.finish()
 
     def order(self) -> bool:
-        try:
-            ordered = self._scatter.order(self._transport.on_nccl,
-                                          f"the reduce-scatter of gradient bucket {self._bucket.index}")
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
+        with failures_explained(self._transport.explain_failure):
+            ordered = self._scatter.order(self._transport.on_nccl, self._what())
         if ordered:
             self._scatter.finish()
         return ordered
+
+    def _what(self) -> str:
+        bucket, partition = self._bucket, self._partition
+        return (f"the reduce-scatter of gradient bucket {bucket.index} (elements {partition.start}:{partition.end} "
+                f"of each of its {self._transport.world_size} chunks, {bucket.wire_nbytes} bytes in all)")
 
     def is_completed(self) -> bool:
         return self._scatter.is_completed()
@@ -130,11 +119,8 @@ class _StepsHandle:
         self._transport = transport
 
     def wait(self, timeout_s: float) -> None:
-        try:
+        with failures_explained(self._transport.explain_failure):
             self._reduction.wait(timeout_s)
-        except CommunicationTimeout as error:
-            self._transport.explain_failure(error)
-            raise
         if self._bucket.cast_on_wire:
             copy_back(self._bucket, self._partition.start, self._partition.end)
 

@@ -42,18 +42,10 @@ class RunConfig:
     trace_dir: str | os.PathLike | None
     block_mb: float | None = None
     """With parameter servers: their largest block, which caps the buckets too."""
-    compressed: bool = False
-    """``Strategy.compression`` is set: each bucket goes on the wire as one unit (its ``P`` and ``Q``
-    need whole matrices), so nothing is cut into partitions. Buckets stay capped at the partition
-    size, as the cost model chooses it, so that several buckets' compressed all-reduces hide behind
-    the backward pass: in buckets of ``bucket_cap_mb``, PowerSGD at rank 16 ran 1.04-1.07x DDP with
-    ``powerSGD_hook`` on 2 emulated hosts at 0.1 Gbit/s, capped at the partition size 1.23-1.50x
-    (docs/records/2026-12-07-powersgd-and-the-arithmetic.md)."""
 
     @classmethod
     def of(cls, strategy: Strategy) -> RunConfig:
         backend = strategy.backend
-        compressed = strategy.compression is not None
         return cls(
             layout=LayoutSetting.of(strategy),
             overlap_requested=strategy.overlap_forward,
@@ -66,7 +58,6 @@ class RunConfig:
             timeout_s=strategy.timeout_s,
             trace_dir=strategy.trace_dir,
             block_mb=backend.block_mb if isinstance(backend, ParameterServer) else None,
-            compressed=compressed,
         )
 
     def with_layout(self, layout: LayoutSetting) -> RunConfig:
@@ -78,7 +69,7 @@ class RunConfig:
 
     @property
     def partition_bytes(self) -> int | None:
-        return None if self.compressed else self.layout.partition_bytes
+        return self.layout.partition_bytes
 
     @property
     def credit_bytes(self) -> int | None:

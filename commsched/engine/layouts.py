@@ -81,10 +81,8 @@ class LayoutInUse:
         self._relayout(forward_order)
         return self.overlap_off_reason is None and self._overlap.updates_per_bucket
 
-    def rebuild(self, config: RunConfig) -> None:
-        """The transport and ``config`` changed before any iteration: the layout, if made already,
-        is made again."""
-        self.config = config
+    def rebuild(self) -> None:
+        """The transport changed before any iteration: the layout, if made already, is made again."""
         if self.layout is not None:
             self._relayout(self.layout.forward_order)
 

@@ -94,10 +94,6 @@ class Warmup:
         self._eager: EagerForward | None = EagerForward(module)
         """Until no forward pass is left to record."""
 
-    def reconfigured(self, config: RunConfig) -> None:
-        """Before any iteration, the run's settings changed (a comm hook registered on the drop-in)."""
-        self._config = config
-
     # ------------------------------------------------------- the first forward
     def record_first_forward(self) -> None:
         """A forward pass that records gradients begins and there is no layout yet: record it."""
