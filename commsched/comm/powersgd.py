@@ -33,9 +33,13 @@ on purpose:
   which gives NaN): it happens where a matrix's gradient is zero on every rank.
 
 The unit on the wire is the bucket: a matrix is never cut, since its ``P`` and ``Q`` need all of
-it. Buckets stay capped at ``Strategy.partition_mb``, so that a large layer travels alone, the
-input-side layers go first, and the compressed all-reduces of several buckets hide behind the
-backward pass (see `commsched.engine.config.RunConfig.compressed`).
+it (`AllReduceTransport.attach` makes each bucket one partition of its compressed size, which the
+credit window counts). Buckets stay capped at the partition size (``Strategy.partition_mb`` or the
+cost model's choice), so that a large layer travels alone, the input-side layers go first, and the
+compressed all-reduces of several buckets hide behind the backward pass: in buckets of
+``bucket_cap_mb`` PowerSGD at rank 16 ran 1.04-1.07x torch DDP with ``powerSGD_hook`` on 2
+emulated hosts at 0.1 Gbit/s, capped at the partition size 1.25-1.50x
+(docs/records/2026-12-07-powersgd-and-the-arithmetic.md).
 """
 
 from __future__ import annotations

@@ -143,15 +143,12 @@ class GradientReducer:
                 f"{what} must be called before the first forward pass (as torch DDP requires it before the "
                 "first backward): this model has trained already. Call it right after wrapping the model.")
 
-    def rewire(self, change_transport: Callable[[], None], config: RunConfig) -> None:
+    def rewire(self, change_transport: Callable[[], None]) -> None:
         """Before any training (a comm hook registered on the drop-in): ``change_transport()`` changes
-        what goes on the wire, ``config`` is the run's from now on, and the layout is made anew, as if
-        the model had been prepared so."""
+        what goes on the wire, and the layout is made anew, as if the model had been prepared so."""
         self.check_untrained("register_comm_hook()")
         change_transport()
-        if self.warmup is not None:
-            self.warmup.reconfigured(config)
-        self.layouts.rebuild(config)
+        self.layouts.rebuild()
 
     # ---------------------------------------------------------------- state
     @property
