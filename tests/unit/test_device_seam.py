@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from commsched.device import HostSeam, StreamSeam, seam_for, using_seam
+from commsched.device import HostSeam, StreamSeam, order_after_work, seam_for, using_seam
 from commsched.errors import CommunicationTimeout, communication_timeout
 
 CPU = torch.device("cpu")
@@ -180,7 +180,5 @@ class FailedWork:
 
 
 def test_a_collective_that_failed_already_is_a_communication_timeout_naming_it():
-    from commsched.device import order_after_work
-
     with pytest.raises(CommunicationTimeout, match=r"the all-reduce of bucket 2 failed .*aborted on rank 1"):
         order_after_work(FailedWork(), on_nccl=True, what="the all-reduce of bucket 2")
