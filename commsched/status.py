@@ -152,6 +152,9 @@ class Status:
     two_step_max_bytes: int | None = None
     """Partitions of at most this many bytes are all-reduced in two all-to-alls (0: none, after
     the timing at the end of warm-up found the ring faster); None where two steps never apply."""
+    compiled_pieces: tuple[int, ...] = ()
+    """With forward overlap, per graph of the model's compiled regions compiled so far, how many pieces
+    it was cut into, each waiting for its own buckets ([Note: gates in compiled graphs])."""
     process_groups: ProcessGroups | None = None
     """The groups the model communicates on (replicas, buffer broadcasts, control messages); None
     once released. The buffer and control groups are commsched's side groups where it needs them."""
@@ -185,6 +188,9 @@ class Status:
                 f"  read outside the forward pass: {len(self.updated_at_step)} buckets updated at step(), "
                 f"{len(self.updated_after_forward)} when the forward pass returns"
             )
+        if self.compiled_pieces:
+            lines.append(f"  compiled: {len(self.compiled_pieces)} graphs in {sum(self.compiled_pieces)} pieces, "
+                         "each waiting for its own buckets")
         if self.gated_at_forward_start:
             names = ", ".join(self.gated_at_forward_start[:3])
             more = len(self.gated_at_forward_start) - 3
@@ -257,6 +263,7 @@ def reducer_status(reducer: GradientReducer) -> Status:
         sharding=None if reducer.policy.sharded is None else reducer.policy.sharded.status(),
         two_step_max_bytes=transport.two_step_max_bytes,
         compression=_compression(reducer),
+        compiled_pieces=reducer.compiled_pieces,
         process_groups=None if groups.replicas is None else replace(groups),
     )
 

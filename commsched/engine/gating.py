@@ -1,8 +1,9 @@
 """Which buckets the training loop waits for, and where: the forward gates, and the reads outside them.
 
 With forward overlap, each module's gate (`commsched.engine.hooks.ForwardGates`) waits for
-its own buckets; in compiled code a compiled module's, or its blocks', wait for what they
-hold ([Note: gates in compiled code] in `commsched.layout.compiled_gates`). What warm-up saw decides the rest (see [Note: reads outside
+its own buckets; in compiled code each piece of a graph waits for the buckets of the
+parameters it uses first (`wait_in_graph`; [Note: gates in compiled graphs] in
+`commsched.layout.gated_graphs`). What warm-up saw decides the rest (see [Note: reads outside
 the forward pass] and [Note: reads before the gate] in `commsched.watch.reads`):
 buckets the loop reads before the forward pass are updated at ``step()``, those
 it reads after it when the forward pass returns, and parameters a warm-up
@@ -20,7 +21,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from commsched.engine.hooks import ForwardGates, WaitForBuckets
-from commsched.layout.compiled_gates import CompiledGates
+from commsched.engine.events import phase
+from commsched.layout.gated_graphs import cut_at
 from commsched.layout.grad_layout import GradLayout, gating_modules
 from commsched.watch.autograd_context import running_backward
 from commsched.watch.reads import ParameterReads
@@ -40,13 +42,14 @@ class ForwardGating:
     ):
         """``wait_for(buckets)``: complete those buckets of the current pass (a gate's wait)."""
         self._root, self._params, self._names, self._wait_for = root, params, names, wait_for
-        self._forward_order: tuple[int, ...] = ()
         self._read_before_owner: dict[int, torch.nn.Module] = {}
         """Per slot the first forward pass read before its module ran, the module that read it;
         the root for those a warm-up pass read before their gate ([Note: reads before the gate])."""
         self._read_slots: tuple[frozenset[int], frozenset[int]] | None = None
         """Slots the loop reads before and after the forward pass (seen during warm-up)."""
         self._gates: ForwardGates | None = None
+        self._bucket_of: Sequence[int] | None = None
+        """Per slot, its bucket in the layout the gates are installed for (None: no gates)."""
         self._after_forward: RemovableHandle | None = None
         self.updated_at_step: tuple[int, ...] = ()
         """Buckets the loop reads between ``step()`` and the next forward pass: with overlap,
@@ -56,27 +59,39 @@ class ForwardGating:
         self.gated_at_forward_start: tuple[str, ...] = ()
         """Parameters a warm-up forward pass read before their gates."""
 
-    def readers_found(self, read_before_owner: Mapping[int, torch.nn.Module], forward_order: Sequence[int]) -> None:
-        """What the first forward pass saw: parameters read before their own module ran, and by which,
-        and the order parameters were first used in."""
+    def readers_found(self, read_before_owner: Mapping[int, torch.nn.Module]) -> None:
+        """What the first forward pass saw: parameters read before their own module ran, and by which."""
         self._read_before_owner = dict(read_before_owner)
-        self._forward_order = tuple(forward_order)
 
     def modules(self) -> list[list[torch.nn.Module]]:
-        """Per slot, the modules whose gate waits for it (`commsched.layout.grad_layout.gating_modules`),
-        at the granularity of what was compiled ([Note: gates in compiled code])."""
-        gates = gating_modules(self._root, self._params, self._read_before_owner)
-        return CompiledGates(self._root).coarsen(gates, self._forward_order)
+        """Per slot, the modules whose gate waits for it (`commsched.layout.grad_layout.gating_modules`)."""
+        return gating_modules(self._root, self._params, self._read_before_owner)
 
     def install(self, layout: GradLayout) -> None:
         """One gate per module that waits for parameters, for ``layout``."""
         self.remove_gates()
         self._gates = ForwardGates(self.modules(), layout.bucket_of, self._wait_for)
+        self._bucket_of = layout.bucket_of
+        cut_at(layout.bucket_of)
 
     def remove_gates(self) -> None:
         if self._gates is not None:
             self._gates.remove()
             self._gates = None
+        self._bucket_of = None
+
+    def buckets_in_use(self) -> Sequence[int] | None:
+        """Per slot, its bucket under the gates installed (None: none are): where compiled graphs are cut."""
+        return self._bucket_of
+
+    def wait_in_graph(self, slots: tuple[int, ...]) -> None:
+        """A gate inside a compiled graph, before the piece that first uses ``slots``: their buckets in the
+        layout in use. Nothing while no gates are installed, and in a recomputation during backward."""
+        bucket_of = self._bucket_of
+        if bucket_of is None or running_backward():
+            return
+        with phase("commsched::gate"):
+            self._wait_for(sorted({bucket_of[slot] for slot in slots}))
 
     def use_recorded_reads(self, reads: ParameterReads, layout: GradLayout) -> None:
         """At the end of warm-up, with forward overlap: what the warm-up's reads decide."""

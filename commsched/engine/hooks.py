@@ -14,10 +14,10 @@
 
 With forward overlap, the forward gates too (`ForwardGates`): a forward
 pre-hook on every module that owns parameters or reads others' before their
-module runs (`commsched.layout.grad_layout.gating_modules`), or in compiled code
-on the compiled module or its blocks ([Note: gates in compiled code] in
-`commsched.layout.compiled_gates`), placed by `commsched.engine.gating` for each
-layout; the root's runs before any other.
+module runs (`commsched.layout.grad_layout.gating_modules`), placed by
+`commsched.engine.gating` for each layout; the root's runs before any other.
+Inside a compiled region the graphs wait instead, piece by piece ([Note: gates
+in compiled graphs] in `commsched.layout.gated_graphs`).
 A gate asks the current backward pass to finish its buckets: wait for their
 reductions, then run the updates ``step()`` released. The CPU waits on the
 handle; modules whose buckets are done pass straight through.
@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from commsched.engine.events import phase
+from commsched.layout.gated_graphs import tracing_gated_region
 from commsched.watch.autograd_context import running_backward
 
 WaitForBuckets = Callable[[Sequence[int]], None]
@@ -172,10 +173,17 @@ class ForwardGates:
 
 
 def _gate(buckets: Sequence[int], wait_for: WaitForBuckets):
-    def gate(module: torch.nn.Module, args: object) -> None:
+    def wait(module: torch.nn.Module, args: object) -> None:
         if not running_backward():
             with phase("commsched::gate"):
                 wait_for(buckets)
 
-    # In a compiled model the gate runs as it is, between two graphs: dynamo must not trace the engine.
-    return torch.compiler.disable(gate, reason="commsched's forward gate waits for and updates buckets")
+    # Elsewhere in compiled code the gate runs as it is, between two graphs: dynamo must not trace the engine.
+    waits = torch.compiler.disable(wait, reason="commsched's forward gate waits for and updates buckets")
+
+    def gate(module: torch.nn.Module, args: object) -> None:
+        if tracing_gated_region():
+            return  # the graph dynamo traces waits piece by piece ([Note: gates in compiled graphs])
+        waits(module, args)
+
+    return gate

@@ -77,7 +77,7 @@ class LayoutInUse:
     def first(self, forward_order: list[int], read_before_owner: dict[int, torch.nn.Module]) -> bool:
         """The first layout, once the forward order is known. Returns whether forward overlap is
         still possible (warm-up then watches the loop's reads)."""
-        self._gating.readers_found(read_before_owner, forward_order)
+        self._gating.readers_found(read_before_owner)
         self._relayout(forward_order)
         return self.overlap_off_reason is None and self._overlap.updates_per_bucket
 

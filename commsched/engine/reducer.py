@@ -50,7 +50,8 @@ from commsched.engine.trace import Tracer
 from commsched.engine.views_ahead import ViewsAhead
 from commsched.engine.warmup import Warmup
 from commsched.errors import CommunicationTimeout, communication_failed, failures_explained
-from commsched.layout.compiled_gates import refuse_gates_in_full_graphs
+from commsched.layout.compiled_gates import GatedRegions
+from commsched.layout.gated_graphs import GatesInGraphs
 from commsched.layout.grad_layout import GradLayout
 from commsched.layout.partitions import Plan
 from commsched.update.base import UpdatePolicy
@@ -103,8 +104,6 @@ class GradientReducer:
         self._sync_enabled = True
         self._scatter_decision = ScatterDecision(transport.scatter, lambda: groups.control, config.timeout_s)
         """Whether the loop lets gradients be reduce-scattered (see [Note: reduce-scattered buckets])."""
-        if config.overlap_requested:
-            refuse_gates_in_full_graphs(module)  # [Note: gates in compiled code]
         self._views_ahead = ViewsAhead(module, self.params)
         self._fingerprint = ParameterFingerprint(module)
         self._events = EventBus()
@@ -122,6 +121,9 @@ class GradientReducer:
         self.warmup: Warmup | None = Warmup(module, self.params, config, self._events, groups, transport, self._build,
                                             self.seam)
         """Until warm-up is over and the reads it watched are no longer watched."""
+        self._backends: list[GatesInGraphs] = []
+        self._regions = GatedRegions(module, self._gates_in_graphs) if config.overlap_requested else None
+        """With forward overlap, the compiled regions, whose graphs wait for their buckets piece by piece."""
         self.hooks = ModelHooks(module, self.params, self)
         self.buffers = BufferBroadcast(lambda: self._fingerprint.modules, groups, config.timeout_s,
                                        config.broadcast_buffers and transport.world_size > 1, self.seam)
@@ -135,6 +137,17 @@ class GradientReducer:
         if not config.priority:
             # Registration order reversed approximates the order gradients are produced.
             self._build(list(range(len(self.params))), {})
+
+    def _gates_in_graphs(self, inner: Callable[..., Any]) -> GatesInGraphs:
+        """The backend a compiled region compiles through while prepared, around its own (``inner``): one
+        per backend alike (torch's backend wrappers compare equal on the same backend and options), so that
+        regions of the same code (blocks compiled one by one) share their graphs, as they do unprepared."""
+        backend = next((b for b in self._backends if b.inner == inner), None)
+        if backend is None:
+            slot_of = {id(param): slot for slot, param in enumerate(self.params)}
+            backend = GatesInGraphs(inner, slot_of, self.gating.buckets_in_use, self.gating.wait_in_graph)
+            self._backends.append(backend)
+        return backend
 
     def check_untrained(self, what: str) -> None:
         """``what`` can change how gradients go on the wire only before any iteration."""
@@ -155,6 +168,11 @@ class GradientReducer:
     def overlap_off_reason(self) -> str | None:
         """Why forward overlap is (or will be) off; None while it is on or still possible."""
         return self.layouts.overlap_off_reason
+
+    @property
+    def compiled_pieces(self) -> tuple[int, ...]:
+        """Per graph compiled through the gating backends, its pieces."""
+        return tuple(n for backend in self._backends for n in backend.pieces)
 
     @property
     def awaiting_optimizer(self) -> bool:
@@ -590,6 +608,8 @@ class GradientReducer:
         self.shutdown()
         self.hooks.remove()
         self.gating.close()
+        if self._regions is not None:
+            self._regions.restore()
         if self.warmup is not None:
             self.warmup.close()
             self.warmup = None

@@ -3,9 +3,9 @@
 commsched's warm-up records its first iterations with a torch-function mode, which
 dynamo must not trace: those forward passes run eagerly, and the model is compiled
 from the first one after warm-up (see [Note: recording and torch.compile] in
-commsched/watch/parameter_use.py), its gates at the compiled modules or their blocks,
-so that dynamo compiles each block's code once (see [Note: gates in compiled code]
-in commsched/layout/compiled_gates.py).
+commsched/watch/parameter_use.py), each graph cut where its buckets change and each
+piece waiting for its own, without a graph break (see [Note: gates in compiled graphs]
+in commsched/layout/gated_graphs.py).
 ``prepare(torch.compile(model))`` trains; a model compiled whole (``model.compile()``)
 or compiled after ``prepare()`` is refused.
 """
@@ -141,8 +141,9 @@ def case_compiled_submodule(rank: int, world_size: int) -> None:
 
 
 GPT_ITERATIONS = 10
-SMALL_BUCKETS = dict(bucket_cap_mb=0.01, first_bucket_mb=0.01)
-"""Several buckets in TinyGPT (about 13 kB a block): the blocks' gates have something to wait for."""
+SMALL_BUCKETS = dict(bucket_cap_mb=0.01, first_bucket_mb=0.01, adaptive=False)
+"""Several buckets in TinyGPT (about 13 kB a block), the same from the first iteration on: each graph is
+cut at them once."""
 
 
 def gpt_batches(world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -163,7 +164,8 @@ def gpt_loss(model, x, y):
 def compiled_gpt(how: str, backend) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``(model given to prepare(), module whose parameters train)`` for TinyGPT compiled ``how``:
     whole (nanoGPT's ``torch.compile(model)``), per block as torchtitan does (each block a
-    ``torch.compile(block, fullgraph=True)``), or per block in place (``block.compile()``)."""
+    ``torch.compile(block, fullgraph=True)``), or per block in place (``block.compile()``, with
+    ``fullgraph=True`` or not)."""
     torch.manual_seed(0)
     base = TinyGPT()
     if how == "whole":
@@ -172,55 +174,57 @@ def compiled_gpt(how: str, backend) -> tuple[torch.nn.Module, torch.nn.Module]:
         if how == "per block":
             base.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
         else:
-            block.compile(backend=backend)
+            block.compile(backend=backend, fullgraph=how.endswith("fullgraph"))
     return base, base
 
 
-def case_gpt_compiled(rank: int, world_size: int, how: str, within_graphs: int) -> None:
-    """TinyGPT compiled ``how``, several buckets, forward overlap: gates sit at what was compiled, so
-    that over 10 iterations dynamo compiles at most ``within_graphs`` graphs, all by the first compiled
-    iteration, and never again; no graph break outside the blocks' gates; one process's parameters
-    (and, compiled whole, torch DDP's on the same compiled model, compiled first in the same process)."""
+def case_gpt_compiled(rank: int, world_size: int, how: str, backend: str = "aot_eager") -> None:
+    """TinyGPT compiled ``how``, several buckets, forward overlap: dynamo compiles one graph (the model's,
+    or one for all blocks alike) at the first compiled iteration and never again, with no graph break and
+    no recompile, its pieces waiting for their buckets; the parameters are one process's (and, compiled
+    whole, torch DDP's on the same compiled model, compiled first in the same process). Two iterations
+    under ``set_stance("force_eager")`` run the module gates eagerly instead, as exactly."""
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     data = gpt_batches(world_size)
-    # One backend for both: dynamo reuses a graph only for the backend it was compiled by.
-    counter = CompileCounterWithBackend("aot_eager")
     ddp_module = None
     if how == "whole":
         torch.manual_seed(0)
-        ddp_module = DistributedDataParallel(torch.compile(TinyGPT(), backend=counter))
+        ddp_module = DistributedDataParallel(torch.compile(TinyGPT(), backend=backend))
         ddp_optimizer = OPTIMIZERS[OPTIMIZER](ddp_module.parameters())
         for x, y in data:
             gpt_loss(ddp_module, x, y)(rank).backward()
             ddp_optimizer.step()
             ddp_optimizer.zero_grad()
-        # No reset: dynamo must not run the graphs it compiled for DDP's copy, which has no gates, for
+        # No reset: dynamo must not run the graphs it compiled for DDP's copy, which wait for nothing, for
         # commsched's ([Note: dynamo and module hooks] in commsched/layout/compiled_gates.py).
-        torch._dynamo.utils.counters.clear()
-    ddp_graphs = counter.frame_count
-    prepared, base = compiled_gpt(how, counter)
+        counters.clear()
+    prepared, base = compiled_gpt(how, backend)
     torch.manual_seed(0)
     reference, reference_optimizer = reference_copy(TinyGPT(), OPTIMIZERS[OPTIMIZER])
     model, optimizer = commsched.prepare(prepared, OPTIMIZERS[OPTIMIZER](base.parameters()),
                                          commsched.Strategy(**SMALL_BUCKETS))
-    graphs = []
-    for x, y in data:
-        gpt_loss(model, x, y)(rank).backward()
+    graphs, eager = [], (GPT_ITERATIONS - 2, GPT_ITERATIONS - 1)
+    for iteration, (x, y) in enumerate(data):
+        stance = torch.compiler.set_stance("force_eager" if iteration in eager else "default")
+        with stance:
+            gpt_loss(model, x, y)(rank).backward()
         optimizer.step()
         optimizer.zero_grad()
-        graphs.append(counter.frame_count - ddp_graphs)
+        graphs.append(counters["stats"]["unique_graphs"])
         one_process_step(reference_optimizer, gpt_loss(reference, x, y), world_size)
     assert commsched.status(model).lifecycle is commsched.Lifecycle.OVERLAPPING
-    assert len(commsched.status(model).buckets) >= 3, commsched.status(model).buckets
-    assert any(graphs), f"no graph compiled for commsched's model, which ran another copy's, without gates: {graphs}"
-    first = next(i for i, n in enumerate(graphs) if n)
-    assert graphs[first:] == [graphs[first]] * (GPT_ITERATIONS - first) and graphs[first] <= within_graphs, (
-        f"graphs compiled by the end of each iteration: {graphs}; at most {within_graphs}, none after the first")
-    counters = torch._dynamo.utils.counters
+    status = commsched.status(model)
+    assert len(status.buckets) >= 3, status.buckets
+    # Compiled whole, the model's graph is cut at every bucket; per block, the blocks' graph (TinyGPT's
+    # 10 kB buckets hold about one block each) at least once.
+    assert len(status.compiled_pieces) == 1 and status.compiled_pieces[0] >= (
+        len(status.buckets) if how == "whole" else 2), status.compiled_pieces
+    assert graphs[:RECORDED] == [0] * RECORDED and graphs[RECORDED:] == [1] * (GPT_ITERATIONS - RECORDED), (
+        f"graphs compiled by the end of each iteration: {graphs}; one, at the first compiled iteration")
     assert not [k for k in counters["frames"] if "limit" in k], dict(counters["frames"])
-    breaks = {reason: n for reason, n in counters["graph_break"].items() if "commsched" not in reason}
-    assert not breaks, f"graph breaks other than commsched's gates: {breaks}"
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
     optimizer.synchronize()
     for (name, got), want in zip(base.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
@@ -294,20 +298,6 @@ def case_compiled_after_prepare_is_refused(rank: int, world_size: int, how: str)
     commsched.release(base)
 
 
-def case_in_place_full_graph_block_is_refused(rank: int, world_size: int) -> None:
-    """``block.compile(fullgraph=True)`` runs the block's gate inside its one graph: with forward overlap
-    ``prepare()`` refuses it, naming the fixes; without, it trains."""
-    torch.manual_seed(0)
-    base = TinyGPT()
-    base.blocks[1].compile(backend="eager", fullgraph=True)
-    with pytest.raises(ValueError, match=r"'blocks\.1'.*fullgraph=True.*overlap_forward=False"):
-        commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()))
-    assert not isinstance(base, commsched.CommschedModule)
-    model, _ = commsched.prepare(base, OPTIMIZERS[OPTIMIZER](base.parameters()),
-                                 commsched.Strategy(overlap_forward=False))
-    commsched.release(model)
-
-
 def compile_grid(rank: int, world_size: int) -> None:
     cases = {
         "torch.compile then prepare, aot_eager": functools.partial(
@@ -317,17 +307,17 @@ def compile_grid(rank: int, world_size: int) -> None:
         "torch.compile then prepare, inductor": functools.partial(
             case_trains_as_one_process, rank, world_size, "inductor", False, False),
         "compiled submodule": functools.partial(case_compiled_submodule, rank, world_size),
-        # One graph for the blocks (their code, compiled once) and, compiled whole, none for the rest,
-        # which runs eagerly around them; per block, one graph.
-        "TinyGPT compiled whole": functools.partial(case_gpt_compiled, rank, world_size, "whole", 1),
-        "TinyGPT compiled per block": functools.partial(case_gpt_compiled, rank, world_size, "per block", 1),
+        "TinyGPT compiled whole": functools.partial(case_gpt_compiled, rank, world_size, "whole"),
+        "TinyGPT compiled whole, inductor": functools.partial(case_gpt_compiled, rank, world_size, "whole",
+                                                              "inductor"),
+        "TinyGPT compiled per block": functools.partial(case_gpt_compiled, rank, world_size, "per block"),
         "TinyGPT compiled per block in place": functools.partial(
-            case_gpt_compiled, rank, world_size, "per block in place", 1),
+            case_gpt_compiled, rank, world_size, "per block in place"),
+        "TinyGPT compiled per block in place, fullgraph": functools.partial(
+            case_gpt_compiled, rank, world_size, "per block in place, fullgraph"),
         "compiled penalty before the forward pass": functools.partial(
             case_compiled_penalty_before_forward, rank, world_size),
         "Module.compile then prepare: refused": functools.partial(case_compiled_whole_is_refused, rank, world_size),
-        "block.compile(fullgraph=True) with forward overlap: refused": functools.partial(
-            case_in_place_full_graph_block_is_refused, rank, world_size),
     }
     for how in ("torch.compile", "Module.compile"):
         cases[f"prepare then {how}: refused"] = functools.partial(
