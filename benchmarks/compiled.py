@@ -13,8 +13,9 @@ it, emulated hosts whose links run at each rate (root). Each system trains its w
 ``--iterations`` measured iterations. ``--repeats`` fresh process groups per cell.
 
 Reported per cell: each system's median iteration on rank 0 (median over repeats), commsched over
-DDP compiled and eager (above 1: commsched is faster), and how many graphs each compiled system's
-rank 0 compiled and whether any function reached dynamo's recompile limit.
+DDP compiled and eager (above 1: commsched is faster), how many graphs each compiled system's
+rank 0 compiled (dynamo's; commsched cuts each into pieces at its buckets, listed per graph), and
+whether any function reached dynamo's recompile limit.
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ def worker(spec_path: Path, out_path: Path) -> None:
         graphs[name] = counters["stats"]["unique_graphs"] - before
         warmups[name] = 0
     times = interleaved_rounds(runs, host.task, host.mine, warmups, spec["rounds"], spec["iterations"])
+    pieces = commsched.status(next(model for name, model, *_ in runs if name == CS_COMPILED)).compiled_pieces
     limits = sum(n for reason, n in counters["frames"].items() if "limit" in reason)
     for _, model, *_ in runs:
         release(model)
     if host.rank == 0:
-        out_path.write_text(json.dumps({"times": times, "graphs": graphs, "recompile_limit_hits": limits}))
+        out_path.write_text(json.dumps({"times": times, "graphs": graphs, "pieces": list(pieces),
+                                        "recompile_limit_hits": limits}))
     dist.destroy_process_group()
 
 
@@ -97,16 +100,17 @@ def on_loopback(spec: dict, hosts: int, timeout_s: float, port: int) -> dict:
 def rows(cells: list[dict]) -> list[str]:
     table = ["| model | link | " + " | ".join(f"{s} (ms)" for s in SYSTEMS)
              + " | commsched compiled vs DDP compiled | commsched eager vs DDP eager | graphs (DDP, commsched) "
-             "| recompile limit hit |", "|---|---|" + "---|" * (len(SYSTEMS) + 4)]
+             "| commsched's pieces | recompile limit hit |", "|---|---|" + "---|" * (len(SYSTEMS) + 5)]
     for cell in cells:
         repeats = [Repeat.of(r["times"]) for r in cell["repeats"]]
         compiled = statistics.median(1 / r for r in ratios(repeats, CS_COMPILED, DDP_COMPILED))
         eager = statistics.median(1 / r for r in ratios(repeats, CS_EAGER, DDP_EAGER))
         graphs = ", ".join(str(cell["repeats"][0]["graphs"][s]) for s in (DDP_COMPILED, CS_COMPILED))
         hits = sum(r["recompile_limit_hits"] for r in cell["repeats"])
+        pieces = "+".join(str(n) for n in cell["repeats"][0].get("pieces", [])) or "-"
         table.append(f"| {cell['model']} | {cell['link']} | "
                      + " | ".join(f"{median_s(repeats, s) * 1e3:.0f}" for s in SYSTEMS)
-                     + f" | {compiled:.2f}x | {eager:.2f}x | {graphs} | {hits} |")
+                     + f" | {compiled:.2f}x | {eager:.2f}x | {graphs} | {pieces} | {hits} |")
     return table
 
 
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                 cell["repeats"].append(result)
                 print(f"{model}, {link}, repeat {repeat + 1}: " + ", ".join(
                     f"{n} {statistics.median(v) * 1e3:.0f} ms" for n, v in result["times"].items())
-                    + f"; graphs {result['graphs']} [{time.monotonic() - started:.0f} s]", flush=True)
+                    + f"; graphs {result['graphs']}, pieces {result['pieces']} [{time.monotonic() - started:.0f} s]",
+                    flush=True)
             cells.append(cell)
     print("\n".join(rows(cells)))
     runner.write_json(args.json, cells, hosts=args.hosts, backend=args.backend)
