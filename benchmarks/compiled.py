@@ -4,10 +4,11 @@
     sudo .venv/bin/python benchmarks/compiled.py --rates-gbit 0.25 1 --json results/compiled_emulated.json
 
 On 2 ranks (``--hosts``), for each model (``--models``: nanoGPT's model at 4 layers of width 192,
-the ResNet-like, the ViT-like), four systems train side by side in interleaved rounds from the same weights on
+the ResNet-like, the ViT-like), six systems train side by side in interleaved rounds from the same weights on
 the same batches: torch DDP and commsched on the model as it is, and on the model compiled the
 way nanoGPT does it (``torch.compile(model)`` before wrapping or ``prepare()``; inductor by
-default, ``--backend``). Without ``--rates-gbit`` the ranks are local processes on loopback; with
+default, ``--backend``), and the model alone, eager and compiled, each rank on its own (the
+computation the bound counts). Then every gradient byte is all-reduced alone, in one collective. Without ``--rates-gbit`` the ranks are local processes on loopback; with
 it, emulated hosts whose links run at each rate (root). Each system trains its warm-up unmeasured
 (compiling included; commsched until its layout is settled), then ``--rounds`` rounds of
 ``--iterations`` measured iterations. ``--repeats`` fresh process groups per cell.
@@ -42,7 +43,11 @@ from commsched.bench.tasks import BATCH, Host, interleaved_rounds, release
 
 MODELS = ("nanogpt", "resnet-like", "vit-like")
 DDP_EAGER, CS_EAGER, DDP_COMPILED, CS_COMPILED = "DDP", "commsched", "DDP, compiled", "commsched, compiled"
-SYSTEMS = (DDP_EAGER, CS_EAGER, DDP_COMPILED, CS_COMPILED)
+COMPUTE, COMPUTE_COMPILED = "compute alone", "compute alone, compiled"
+"""The model trained on its own, nothing on the wire: what the bound counts of the computation."""
+SYSTEMS = (DDP_EAGER, CS_EAGER, DDP_COMPILED, CS_COMPILED, COMPUTE, COMPUTE_COMPILED)
+ALL_REDUCE = "all-reduce alone"
+"""Every gradient byte in one all-reduce, nothing beside it: what the bound counts of the wire."""
 
 
 def build(system: str, base: nn.Module, make_optimizer, backend: str) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -53,6 +58,8 @@ def build(system: str, base: nn.Module, make_optimizer, backend: str) -> tuple[n
     optimizer = make_optimizer(model)
     if system.endswith("compiled"):
         model = torch.compile(model, backend=backend)
+    if system.startswith("compute"):
+        return model, optimizer
     if system.startswith("DDP"):
         return nn.parallel.DistributedDataParallel(model), optimizer
     return commsched.prepare(model, optimizer)
@@ -75,6 +82,7 @@ def worker(spec_path: Path, out_path: Path) -> None:
         graphs[name] = counters["stats"]["unique_graphs"] - before
         warmups[name] = 0
     times = interleaved_rounds(runs, host.task, host.mine, warmups, spec["rounds"], spec["iterations"])
+    times[ALL_REDUCE] = _all_reduce_alone(host.base, spec["rounds"] * spec["iterations"])
     pieces = commsched.status(next(model for name, model, *_ in runs if name == CS_COMPILED)).compiled_pieces
     limits = sum(n for reason, n in counters["frames"].items() if "limit" in reason)
     for _, model, *_ in runs:
@@ -83,6 +91,18 @@ def worker(spec_path: Path, out_path: Path) -> None:
         out_path.write_text(json.dumps({"times": times, "graphs": graphs, "pieces": list(pieces),
                                         "recompile_limit_hits": limits}))
     dist.destroy_process_group()
+
+
+def _all_reduce_alone(model: nn.Module, count: int) -> list[float]:
+    """What all-reducing every gradient byte takes, in one collective, nothing beside it."""
+    flat = torch.zeros(sum(p.numel() for p in model.parameters() if p.requires_grad))
+    took = []
+    for _ in range(count + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(flat)
+        took.append(time.perf_counter() - started)
+    return took[1:]
 
 
 def on_loopback(spec: dict, hosts: int, timeout_s: float, port: int) -> dict:
@@ -98,19 +118,26 @@ def on_loopback(spec: dict, hosts: int, timeout_s: float, port: int) -> dict:
 
 
 def rows(cells: list[dict]) -> list[str]:
-    table = ["| model | link | " + " | ".join(f"{s} (ms)" for s in SYSTEMS)
-             + " | commsched compiled vs DDP compiled | commsched eager vs DDP eager | graphs (DDP, commsched) "
-             "| commsched's pieces | recompile limit hit |", "|---|---|" + "---|" * (len(SYSTEMS) + 5)]
+    """Per cell: medians over repeats, per repeat the ratios (their medians), and commsched's time over
+    the bound max(compute alone, all-reduce alone), eager and compiled (each with its own computation)."""
+    table = ["| model | link | " + " | ".join(f"{s} (ms)" for s in (*SYSTEMS, ALL_REDUCE))
+             + " | commsched compiled vs DDP compiled | commsched eager vs DDP eager | commsched / bound (eager, "
+             "compiled) | graphs (DDP, commsched) | commsched's pieces | recompile limit hit |",
+             "|---|---|" + "---|" * (len(SYSTEMS) + 7)]
     for cell in cells:
         repeats = [Repeat.of(r["times"]) for r in cell["repeats"]]
+        wire = median_s(repeats, ALL_REDUCE)
+        over = [median_s(repeats, system) / max(median_s(repeats, compute), wire)
+                for system, compute in ((CS_EAGER, COMPUTE), (CS_COMPILED, COMPUTE_COMPILED))]
         compiled = statistics.median(1 / r for r in ratios(repeats, CS_COMPILED, DDP_COMPILED))
         eager = statistics.median(1 / r for r in ratios(repeats, CS_EAGER, DDP_EAGER))
         graphs = ", ".join(str(cell["repeats"][0]["graphs"][s]) for s in (DDP_COMPILED, CS_COMPILED))
         hits = sum(r["recompile_limit_hits"] for r in cell["repeats"])
         pieces = "+".join(str(n) for n in cell["repeats"][0].get("pieces", [])) or "-"
         table.append(f"| {cell['model']} | {cell['link']} | "
-                     + " | ".join(f"{median_s(repeats, s) * 1e3:.0f}" for s in SYSTEMS)
-                     + f" | {compiled:.2f}x | {eager:.2f}x | {graphs} | {pieces} | {hits} |")
+                     + " | ".join(f"{median_s(repeats, s) * 1e3:.0f}" for s in (*SYSTEMS, ALL_REDUCE))
+                     + f" | {compiled:.2f}x | {eager:.2f}x | {over[0]:.2f}, {over[1]:.2f} | {graphs} | {pieces} "
+                     f"| {hits} |")
     return table
 
 
