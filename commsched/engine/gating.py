@@ -50,6 +50,8 @@ class ForwardGating:
         self._gates: ForwardGates | None = None
         self._bucket_of: Sequence[int] | None = None
         """Per slot, its bucket in the layout the gates are installed for (None: no gates)."""
+        self._partition_of: Sequence[int] | None = None
+        """Per slot, its partition there: where compiled graphs are cut."""
         self._after_forward: RemovableHandle | None = None
         self.updated_at_step: tuple[int, ...] = ()
         """Buckets the loop reads between ``step()`` and the next forward pass: with overlap,
@@ -71,18 +73,18 @@ class ForwardGating:
         """One gate per module that waits for parameters, for ``layout``."""
         self.remove_gates()
         self._gates = ForwardGates(self.modules(), layout.bucket_of, self._wait_for)
-        self._bucket_of = layout.bucket_of
-        cut_at(layout.bucket_of)
+        self._bucket_of, self._partition_of = layout.bucket_of, layout.partition_of_slots()
+        cut_at(self._partition_of)
 
     def remove_gates(self) -> None:
         if self._gates is not None:
             self._gates.remove()
             self._gates = None
-        self._bucket_of = None
+        self._bucket_of = self._partition_of = None
 
-    def buckets_in_use(self) -> Sequence[int] | None:
-        """Per slot, its bucket under the gates installed (None: none are): where compiled graphs are cut."""
-        return self._bucket_of
+    def partitions_in_use(self) -> Sequence[int] | None:
+        """Per slot, its partition under the gates installed (None: none are): where compiled graphs are cut."""
+        return self._partition_of
 
     def wait_in_graph(self, slots: tuple[int, ...]) -> None:
         """A gate inside a compiled graph, before the piece that first uses ``slots``: their buckets in the

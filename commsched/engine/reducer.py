@@ -145,7 +145,7 @@ class GradientReducer:
         backend = next((b for b in self._backends if b.inner == inner), None)
         if backend is None:
             slot_of = {id(param): slot for slot, param in enumerate(self.params)}
-            backend = GatesInGraphs(inner, slot_of, self.gating.buckets_in_use, self.gating.wait_in_graph)
+            backend = GatesInGraphs(inner, slot_of, self.gating.partitions_in_use, self.gating.wait_in_graph)
             self._backends.append(backend)
         return backend
 

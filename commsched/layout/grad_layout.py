@@ -46,6 +46,15 @@ class GradLayout:
     of backward, and carrying the usage flags (see [Note: unused parameters])."""
     partitions: tuple[Partition, ...]
 
+    def partition_of_slots(self) -> tuple[int, ...]:
+        """Per slot: the partition holding its gradient's first element (the wire's unit it goes in)."""
+        first: list[int] = [0] * len(self.bucket_of)
+        for bucket, slots in zip(self.buckets, self.bucket_slots, strict=True):
+            mine = sorted((p for p in self.partitions if p.bucket == bucket.index), key=lambda p: p.start)
+            for slot, offset in zip(slots, bucket.offsets, strict=True):
+                first[slot] = next((p.pid for p in mine if p.start <= offset < p.end), mine[-1].pid)
+        return tuple(first)
+
 
 def build_layout(
     names: Sequence[str],

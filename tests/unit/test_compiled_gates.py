@@ -214,3 +214,20 @@ def test_cuts_are_bounded():
         gated_graphs._cuts.clear()
         gated_graphs._cuts.update(saved[0])
         gated_graphs._cut = saved[1]
+
+
+def test_graphs_are_cut_at_the_partition_of_each_parameters_first_element():
+    from commsched.layout.grad_layout import build_layout
+    from commsched.layout.partitions import make_partitions
+
+    params = [nn.Parameter(torch.zeros(10)) for _ in range(4)]
+
+    def cut(bucket_set):
+        return make_partitions([b.flat.numel() for b in bucket_set.buckets], [4] * len(bucket_set.buckets),
+                               bucket_set.priorities, 20 * 4)
+
+    layout = build_layout([f"p{i}" for i in range(4)], params, [0, 1, 2, 3], [1000 * 4], False, cut)
+    # One bucket, in reverse forward order (slots 3, 2, 1, 0 at 0, 10, 20, 30), in two partitions of 20.
+    assert len(layout.buckets) == 1 and len(layout.partitions) == 2
+    first, second = sorted(layout.partitions, key=lambda p: p.start)
+    assert layout.partition_of_slots() == (second.pid, second.pid, first.pid, first.pid)
