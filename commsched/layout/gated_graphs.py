@@ -17,10 +17,10 @@ partition the current piece holds none of, compiles every piece with the user's 
 compiled graphs at its bucket boundaries), and calls the wait for the parameters each piece uses
 first before it runs. The parameters are the graph's inputs, the very tensors the updates write in
 place, so each piece reads them updated. Each piece's backward is its own graph too, so its
-gradients are ready when it ends, not when the whole region's backward pass does: cut at buckets
-only, a 25 MiB bucket's partitions would all wait for the end of its piece's backward pass instead
-of going on the wire one by one as they do from an eager model (on 2 emulated hosts at 1 Gbit/s,
-the ResNet-like compiled in two pieces ran at 1.25 of its bound, against 1.13 eager).
+gradients are ready when it ends, not when the whole region's backward pass does. The cut is at
+partitions, the wire's unit, not only at buckets: a partitioned bucket's partitions then go on the
+wire as their pieces' backward passes end, as they do from an eager model, rather than all at the
+end of the bucket's last piece.
 
 What runs eagerly inside a region (around a graph break of the user's code, every frame under
 ``torch.compiler.set_stance("force_eager")``, past dynamo's recompile limit) runs the module
