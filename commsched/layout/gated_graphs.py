@@ -104,17 +104,18 @@ class GatesInGraphs:
         """Per graph compiled, how many pieces it was cut into (what tests and benchmarks count)."""
 
     def __call__(self, graph: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        piece_of, first_used = self._cut(graph)
+        slot_of_node = self._parameter_slots(graph)
+        piece_of, first_used = self._cut(graph, slot_of_node)
         if not any(first_used):  # no parameter of the prepared model: nothing to wait for
             self.pieces.append(1)
             return self.inner(graph, example_inputs, **kwargs)
         self.pieces.append(len(first_used))
-        return self._compile_pieces(graph, example_inputs, piece_of, first_used, kwargs)
+        return self._compile_pieces(graph, example_inputs, slot_of_node, piece_of, first_used, kwargs)
 
-    def _cut(self, graph: fx.GraphModule) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
+    def _cut(self, graph: fx.GraphModule, slot_of_node: Mapping[fx.Node, int]
+             ) -> tuple[dict[fx.Node, int], list[list[fx.Node]]]:
         """Per node, its piece; per piece, the parameters' nodes it uses first. A piece ends before a node
         that first uses a parameter of a partition it holds none of."""
-        slot_of_node = self._parameter_slots(graph)
         unit_of = self._unit_of()
         piece_of: dict[fx.Node, int] = {}
         first_used: list[list[fx.Node]] = [[]]
@@ -129,10 +130,8 @@ class GatesInGraphs:
             if new and nodes_in_piece and not new_units <= units:
                 first_used.append([])
                 units, nodes_in_piece = set(), 0
-            for arg in new:
-                if arg not in used:
-                    used.add(arg)
-                    first_used[-1].append(arg)
+            used.update(new)  # all_input_nodes names each node once
+            first_used[-1].extend(new)
             units |= new_units
             piece_of[node] = len(first_used) - 1
             nodes_in_piece += 1
@@ -162,8 +161,9 @@ class GatesInGraphs:
                 found[node] = slot
         return found
 
-    def _compile_pieces(self, graph: fx.GraphModule, example_inputs: list[Any], piece_of: dict[fx.Node, int],
-                        first_used: list[list[fx.Node]], kwargs: dict[str, Any]) -> fx.GraphModule:
+    def _compile_pieces(self, graph: fx.GraphModule, example_inputs: list[Any], slot_of_node: Mapping[fx.Node, int],
+                        piece_of: dict[fx.Node, int], first_used: list[list[fx.Node]], kwargs: dict[str, Any]
+                        ) -> fx.GraphModule:
         """torch's own graph splitting (as torch DDP's compiled path uses it), then a wait before each piece.
 
         A wait is given the parameters its piece uses first as the graph's inputs, as they are at each
@@ -182,7 +182,6 @@ class GatesInGraphs:
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         with _disable_saved_tensors_hooks_during_tracing():
             SubmodCompiler(split, self.inner, fake_mode, **kwargs).run(*example_inputs)
-        slot_of_node = self._parameter_slots(graph)
         inputs = {node.target: node for node in split.graph.nodes if node.op == "placeholder"}
         for node in list(split.graph.nodes):
             if node.op == "call_module" and str(node.target).startswith("compiled_submod_"):
@@ -193,6 +192,6 @@ class GatesInGraphs:
                     with split.graph.inserting_before(node):
                         split.graph.call_function(self._wait_for, (fixed, *passed))
         split.recompile()
-        logger.debug("commsched: a compiled graph cut into %d pieces at its buckets:\n%s",
+        logger.debug("commsched: a compiled graph cut into %d pieces at its partitions:\n%s",
                      len(first_used), split.code)
         return split

@@ -168,10 +168,9 @@ def test_regions_compile_through_the_gating_backend_and_get_their_own_back(how):
     model = TinyGPT(layers=2)
     if how == "wrapper":
         model.blocks[0] = torch.compile(model.blocks[0], backend="aot_eager", dynamic=False)
-        region = model.blocks[0]
     else:
         model.blocks[0].compile(backend="aot_eager", fullgraph=how.endswith("fullgraph"))
-        region = model.blocks[0]
+    region = model.blocks[0]
     own = region.dynamo_ctx if how == "wrapper" else region._compiled_call_impl
     made = []
 
